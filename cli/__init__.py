@@ -1,0 +1,1 @@
+"""The `meshrl` command line."""

@@ -1,0 +1,135 @@
+"""`meshrl` console script: subcommands over configs, (later) training, traces and workers."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import typing
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from meshrl.configs import ConfigError, RunConfig, load_config, to_toml
+
+CONFIG_FORMS = """config sources, applied left to right:
+  @ FILE.toml           a TOML preset (repeatable; deep-merged)
+  --section.key VALUE   a dotted override (kebab-case works too: --loss.kl-tau 0.01;
+                        lists and dicts as JSON; a bare --flag means true)"""
+
+EXIT_CONFIG = 2
+
+
+def _sources_parser(sub: argparse._SubParsersAction, name: str, help_text: str) -> argparse.ArgumentParser:
+    parser = sub.add_parser(
+        name, help=help_text, description=help_text, epilog=CONFIG_FORMS, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("sources", nargs="*", help="presets and overrides (see below)")
+    return parser
+
+
+def _cmd_config_show(args: argparse.Namespace) -> int:
+    print(to_toml(load_config(args.sources)), end="")
+    return 0
+
+
+def _type_name(annotation: object) -> str:
+    if typing.get_origin(annotation) is typing.Literal:
+        return "|".join(str(v) for v in typing.get_args(annotation))
+    return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
+
+
+def _describe(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(dotted key, type, default, description) for every leaf field, unions by tag."""
+    rows = []
+    for name, field in model.model_fields.items():
+        key = f"{prefix}{name}"
+        annotation = field.annotation
+        if prefix.endswith("].") and name in ("type", "backend"):
+            continue  # the tag is already in the key
+        members = [a for a in typing.get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            rows += _describe(annotation, key + ".")
+        elif members and typing.get_origin(annotation) is not list:
+            for member in members:
+                tag = member.model_fields.get("type") or member.model_fields.get("backend")
+                rows += _describe(member, f"{key}[{tag.default}].")
+        else:
+            default = "(required)" if field.is_required() else repr(field.get_default(call_default_factory=True))
+            rows.append((key, _type_name(annotation), default, field.description or ""))
+    return rows
+
+
+def _cmd_config_keys(args: argparse.Namespace) -> int:
+    rows = [("KEY", "TYPE", "DEFAULT", "MEANING"), *_describe(RunConfig)]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    for key, type_name, default, description in rows:
+        print(f"{key:<{widths[0]}}  {type_name:<{widths[1]}}  {default:<{widths[2]}}  {description}")
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    config = load_config(args.sources)
+    out = Path(config.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "config.toml.tmp"
+    tmp.write_text(to_toml(config))
+    os.replace(tmp, out / "config.toml")
+    print(f"resolved config written to {out / 'config.toml'}")
+    print(
+        f"loss: {config.loss.type} (replay weight {config.loss.replay.weight}, sdpo weight {config.loss.sdpo.weight}); "
+        f"{config.max_steps} steps, seed {config.seed}"
+    )
+    print("the actor platform that runs training lands with issue #4; nothing was trained")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="meshrl", description="RL post-training for agentic LLMs on Monarch actor meshes."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    train = _sources_parser(sub, "train", "train a policy with the resolved run config")
+    train.set_defaults(func=_cmd_train)
+
+    config = sub.add_parser("config", help="inspect run configs", description="inspect run configs")
+    config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    show = _sources_parser(config_sub, "show", "print the resolved config as TOML")
+    show.set_defaults(func=_cmd_config_show)
+    keys = config_sub.add_parser("keys", help="list every config key with its type, default and meaning")
+    keys.set_defaults(func=_cmd_config_keys)
+    return parser
+
+
+# Commands whose trailing words are config sources. Their order matters and they look
+# like unknown options to argparse, so they are split off before parsing.
+SOURCE_COMMANDS = (("train",), ("config", "show"))
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = build_parser()
+    for command in SOURCE_COMMANDS:
+        if tuple(argv[: len(command)]) == command:
+            head, sources = argv[: len(command)], argv[len(command) :]
+            if "-h" in sources or "--help" in sources:
+                parser.parse_args([*head, "--help"])
+            args = parser.parse_args(head)
+            args.sources = sources
+            return args
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `meshrl config keys | head` ends quietly
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"meshrl: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+
+
+if __name__ == "__main__":
+    sys.exit(main())

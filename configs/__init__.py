@@ -1,0 +1,27 @@
+"""Run configs: the pydantic schema, TOML presets (`configs/*.toml`) and their composition."""
+
+from meshrl.configs.loader import ConfigError, load_config, to_toml
+from meshrl.configs.schema import (
+    CustomLoss,
+    DppoKlLoss,
+    IpoLoss,
+    LossConfig,
+    RefKlLoss,
+    ReplayChannel,
+    RunConfig,
+    SdpoChannel,
+)
+
+__all__ = [
+    "ConfigError",
+    "CustomLoss",
+    "DppoKlLoss",
+    "IpoLoss",
+    "LossConfig",
+    "RefKlLoss",
+    "ReplayChannel",
+    "RunConfig",
+    "SdpoChannel",
+    "load_config",
+    "to_toml",
+]

@@ -1,0 +1,175 @@
+"""Compose a RunConfig from defaults, `@ file.toml` presets and dotted CLI overrides.
+
+Sources apply left to right: later presets deep-merge over earlier ones, overrides over
+both. Every leaf remembers where it was set, so a validation error names the key *and*
+the file (or the command line) it came from.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+from pydantic import ValidationError
+
+from meshrl.configs.schema import RunConfig
+
+COMMAND_LINE = "the command line"
+
+
+class ConfigError(ValueError):
+    """A config source could not be read or the composed config is invalid."""
+
+
+def _norm_key(key: str) -> str:
+    return key.replace("-", "_")
+
+
+def _normalise(data: dict[str, Any]) -> dict[str, Any]:
+    """Kebab-case keys are accepted everywhere; the schema speaks snake_case."""
+    return {_norm_key(k): _normalise(v) if isinstance(v, dict) else v for k, v in data.items()}
+
+
+def _merge(dst: dict[str, Any], src: dict[str, Any], origin: str, where: dict[tuple[str, ...], str], prefix=()) -> None:
+    for key, value in src.items():
+        path = (*prefix, key)
+        if isinstance(value, dict) and isinstance(dst.get(key), dict):
+            _merge(dst[key], value, origin, where, path)
+            continue
+        dst[key] = value
+        for known in [p for p in where if p[: len(path)] == path]:
+            del where[known]
+        _record(value, origin, where, path)
+
+
+def _record(value: Any, origin: str, where: dict[tuple[str, ...], str], path: tuple[str, ...]) -> None:
+    where[path] = origin
+    if isinstance(value, dict):
+        for key, sub in value.items():
+            _record(sub, origin, where, (*path, key))
+
+
+def _parse_value(raw: str) -> Any:
+    """CLI values stay strings for pydantic's lax parsing, except JSON lists/dicts and null."""
+    text = raw.strip()
+    if text.lower() in ("null", "none"):
+        return None
+    if text[:1] in "[{":
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"value {raw!r} looks like JSON but does not parse: {exc}") from exc
+    return raw
+
+
+def _nest(dotted: str, value: Any) -> dict[str, Any]:
+    parts = [_norm_key(p) for p in dotted.split(".")]
+    if not all(parts):
+        raise ConfigError(f"malformed override key '--{dotted}'")
+    out: dict[str, Any] = value
+    for part in reversed(parts):
+        out = {part: out}
+    return out
+
+
+def read_preset(path: str | Path) -> dict[str, Any]:
+    """Read one TOML preset; errors name the file (and line, for syntax errors)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: preset file not found") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read preset: {exc}") from None
+    try:
+        return _normalise(tomllib.loads(text))
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+
+
+def parse_sources(args: list[str]) -> list[tuple[str, dict[str, Any]]]:
+    """Split CLI words into ordered (origin, partial config) sources.
+
+    Forms: `@ file.toml` or `@file.toml`; `--a.b value`, `--a.b=value`; a bare `--flag`
+    followed by another `--` word or nothing means true.
+    """
+    sources: list[tuple[str, dict[str, Any]]] = []
+    i = 0
+    while i < len(args):
+        word = args[i]
+        if word == "@":
+            if i + 1 >= len(args):
+                raise ConfigError("'@' must be followed by a TOML preset path")
+            sources.append((args[i + 1], read_preset(args[i + 1])))
+            i += 2
+        elif word.startswith("@"):
+            sources.append((word[1:], read_preset(word[1:])))
+            i += 1
+        elif word.startswith("--") and len(word) > 2:
+            key, eq, raw = word[2:].partition("=")
+            if not eq:
+                if i + 1 < len(args) and not args[i + 1].startswith("--"):
+                    raw = args[i + 1]
+                    i += 1
+                else:
+                    raw = "true"
+            sources.append((COMMAND_LINE, _nest(key, _parse_value(raw))))
+            i += 1
+        else:
+            raise ConfigError(f"unexpected argument {word!r}: expected '@ preset.toml' or '--dotted.key value'")
+    return sources
+
+
+def _origin_of(loc: tuple[Any, ...], merged: dict[str, Any], where: dict[tuple[str, ...], str]) -> tuple[str, str]:
+    """Map a pydantic error location to a dotted key and the source that set it."""
+    path: list[str] = []
+    node: Any = merged
+    for i, part in enumerate(loc):
+        if isinstance(node, dict) and part in node:
+            path.append(str(part))
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+            path.append(str(part))
+            node = node[part]
+        elif isinstance(node, dict) and i + 1 < len(loc) and loc[i + 1] in node:
+            continue  # a union tag pydantic inserts into the location (loss.<type>.key)
+        else:
+            path.append(str(part))
+            node = None
+    for n in range(len(path), 0, -1):
+        origin = where.get(tuple(path[:n]))
+        if origin:
+            return ".".join(path), origin
+    return ".".join(path), "the defaults"
+
+
+def _format_errors(exc: ValidationError, merged: dict[str, Any], where: dict[tuple[str, ...], str]) -> str:
+    lines = []
+    for err in exc.errors():
+        key, origin = _origin_of(tuple(err["loc"]), merged, where)
+        if err["type"] == "extra_forbidden":
+            lines.append(f"{origin}: unknown key '{key}'")
+        else:
+            shown = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
+            lines.append(f"{origin}: {key}: {err['msg']}{shown}")
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def load_config(args: list[str] | None = None) -> RunConfig:
+    """Compose defaults, presets and overrides into a validated RunConfig."""
+    merged: dict[str, Any] = {}
+    where: dict[tuple[str, ...], str] = {}
+    for origin, partial in parse_sources(args or []):
+        _merge(merged, partial, origin, where)
+    try:
+        return RunConfig.model_validate(merged)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, merged, where)) from None
+
+
+def to_toml(config: RunConfig) -> str:
+    """The resolved config as TOML that `@` reads back to the same config (None fields are omitted)."""
+    return tomli_w.dumps(config.model_dump(mode="json", exclude_none=True))

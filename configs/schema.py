@@ -1,0 +1,242 @@
+"""The run-config schema: one pydantic model per section, unknown keys refused everywhere.
+
+Every field carries a type, bounds where they mean something, and a one-line description
+(shown by `meshrl config keys`). The loss section is a union tagged by `type`, so a run
+swaps its loss recipe with one line.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are an error, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# --------------------------------------------------------------------------- model
+
+
+class TinyModelConfig(Section):
+    vocab_size: int = Field(512, ge=64, le=65536, description="Vocabulary of the locally built byte-level BPE tokenizer.")
+    hidden_size: int = Field(64, ge=8, le=4096, description="Width of the tiny transformer.")
+    num_layers: int = Field(2, ge=1, le=48, description="Decoder layers of the tiny transformer.")
+    num_heads: int = Field(4, ge=1, le=64, description="Attention heads of the tiny transformer.")
+    max_position_embeddings: int = Field(2048, ge=64, description="Longest sequence the tiny transformer accepts.")
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> TinyModelConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        return self
+
+
+class ModelConfig(Section):
+    path: str = Field(
+        "tiny",
+        description="HF model directory or hub id (from the local cache); 'tiny' builds and saves meshrl's tiny model.",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype for training.")
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Shape of the tiny model (path='tiny').")
+    logprob_chunk_size: int = Field(
+        1024, ge=16, description="Tokens per LM-head chunk when computing logprobs (bounds the logits memory)."
+    )
+
+
+# --------------------------------------------------------------------------- topology
+
+
+class RolePlacement(Section):
+    hosts: int = Field(1, ge=1, description="Hosts this role spans.")
+    procs: int = Field(1, ge=1, description="Processes per host for this role.")
+    gpus_per_proc: int = Field(0, ge=0, description="GPUs per process (0 = CPU).")
+
+
+class TopologyConfig(Section):
+    mode: Literal["local", "attach", "slurm"] = Field(
+        "local", description="Where meshes run: this host, attached worker addresses, or a SLURM job."
+    )
+    workers: list[str] = Field(default_factory=list, description="Worker addresses (tcp://host:port or tls://host:port).")
+    generator: RolePlacement = Field(default_factory=RolePlacement, description="Placement of the generator mesh.")
+    trainer: RolePlacement = Field(default_factory=RolePlacement, description="Placement of the trainer mesh.")
+    teacher: RolePlacement = Field(default_factory=RolePlacement, description="Placement of the teacher-replay mesh.")
+
+    @model_validator(mode="after")
+    def _addresses(self) -> TopologyConfig:
+        for address in self.workers:
+            if not address.startswith(("tcp://", "tls://")):
+                raise ValueError(f"worker address {address!r} must start with tcp:// or tls://")
+        if self.mode == "attach" and not self.workers:
+            raise ValueError("mode 'attach' needs at least one address in topology.workers")
+        return self
+
+
+# --------------------------------------------------------------------------- generator
+
+
+class GeneratorConfig(Section):
+    backend: Literal["hf", "vllm"] = Field("hf", description="Inference engine: HF on CPU, or vLLM on GPU.")
+    temperature: float = Field(1.0, gt=0, le=4.0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1.0, description="Nucleus sampling mass.")
+    max_new_tokens: int = Field(64, ge=1, description="Longest completion per turn.")
+    samples_per_prompt: int = Field(4, ge=1, description="Rollouts per prompt (the advantage group size).")
+    max_async_level: int = Field(1, ge=0, description="Policy versions generation may run ahead of training.")
+    max_off_policy_steps: int = Field(8, ge=0, description="Rollouts older than this many versions are dropped.")
+
+
+# --------------------------------------------------------------------------- trainer
+
+
+class TrainerConfig(Section):
+    lr: float = Field(1e-4, gt=0, description="Peak AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
+    lr_schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="Decay after warm-up.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    micro_batch_tokens: int = Field(4096, ge=16, description="Token budget of one packed micro-batch per rank.")
+    parallelism: Literal["ddp", "fsdp2"] = Field("ddp", description="Data-parallel wrapper inside the trainer mesh.")
+
+
+# --------------------------------------------------------------------------- loss
+
+
+class ReplayChannel(Section):
+    weight: float = Field(0.0, ge=0, description="β: weight of the replay channel (0 = off).")
+    variant: Literal["dpo", "simpo"] = Field("dpo", description="Pairwise loss on (chosen, rejected) pairs.")
+    beta: float = Field(0.1, gt=0, description="Inverse temperature of the pairwise logit.")
+    gamma: float = Field(1.0, ge=0, description="SimPO target margin γ (ignored by DPO).")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="Conservative-DPO label smoothing (DPO only).")
+
+
+class SdpoChannel(Section):
+    weight: float = Field(0.0, ge=0, description="α: weight of the SDPO channel (0 = off).")
+    jsd_beta: float = Field(0.5, ge=0, le=1, description="Generalized-JSD β (0: KL(teacher‖student), 1: KL(student‖teacher)).")
+    temperature: float = Field(1.0, gt=0, description="Temperature dividing student and teacher logits.")
+    token_clip: float | None = Field(None, gt=0, description="Upper clip of each token's JSD (None = no clip).")
+
+
+class LossBase(Section):
+    replay: ReplayChannel = Field(default_factory=ReplayChannel, description="Replay DPO/SimPO channel.")
+    sdpo: SdpoChannel = Field(default_factory=SdpoChannel, description="SDPO hint self-distillation channel.")
+
+
+class DppoKlLoss(LossBase):
+    type: Literal["dppo_kl"] = "dppo_kl"
+    dppo_mask_low: float = Field(0.2, ge=0, description="Mask A≤0 tokens whose probability fell by more than this.")
+    dppo_mask_high: float = Field(0.2, ge=0, description="Mask A>0 tokens whose probability rose by more than this.")
+    adv_tau: float = Field(1.0, ge=0, description="Scale of the advantage term.")
+    kl_tau: float = Field(1e-3, ge=0, description="Scale of the squared log-ratio KL to the inference policy.")
+
+
+class IpoLoss(LossBase):
+    type: Literal["ipo"] = "ipo"
+    ipo_threshold: float = Field(0.1, ge=0, description="Mask tokens whose probability moved more than this either way.")
+    adv_tau: float = Field(1.0, ge=0, description="Scale of the advantage term.")
+    kl_tau: float = Field(1e-3, ge=0, description="Scale of the squared log-ratio KL to the inference policy.")
+
+
+class RefKlLoss(LossBase):
+    type: Literal["ref_kl"] = "ref_kl"
+    mask_low: float = Field(0.2, ge=0, description="Mask tokens whose probability fell by more than this.")
+    kl_tau: float = Field(1e-3, ge=0, description="Scale of the squared log-ratio KL to the inference policy.")
+
+
+class CustomLoss(LossBase):
+    type: Literal["custom"] = "custom"
+    import_path: str = Field(
+        ..., min_length=1, description="'pkg.mod.fn' or 'pkg.mod:fn' with PRIME-RL's fn(inputs, **kwargs) -> LossOutputs."
+    )
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the function.")
+
+
+LossConfig = Annotated[DppoKlLoss | IpoLoss | RefKlLoss | CustomLoss, Field(discriminator="type")]
+
+
+# --------------------------------------------------------------------------- teachers
+
+
+class HfTeacher(Section):
+    backend: Literal["hf"] = "hf"
+    name: str = Field(..., min_length=1, description="Teacher name recorded on mined pairs.")
+    path: str = Field(..., min_length=1, description="Local HF model directory.")
+
+
+class OpenAITeacher(Section):
+    backend: Literal["openai"] = "openai"
+    name: str = Field(..., min_length=1, description="Teacher name recorded on mined pairs.")
+    base_url: str = Field(..., description="OpenAI-compatible base URL (…/v1).")
+    model: str = Field(..., description="Model name sent with each request.")
+    api_key_env: str | None = Field(None, description="Name of the env var holding the API key (never logged or saved).")
+    timeout_s: float = Field(60.0, gt=0, description="Per-request timeout.")
+    max_retries: int = Field(3, ge=0, description="Retries on timeouts and 5xx answers.")
+    usd_per_mtok_in: float = Field(0.0, ge=0, description="Price per million prompt tokens.")
+    usd_per_mtok_out: float = Field(0.0, ge=0, description="Price per million completion tokens.")
+
+
+class OracleTeacher(Section):
+    backend: Literal["oracle"] = "oracle"
+    name: str = Field("oracle", min_length=1, description="Teacher name recorded on mined pairs.")
+
+
+TeacherSpec = Annotated[HfTeacher | OpenAITeacher | OracleTeacher, Field(discriminator="backend")]
+
+
+class TeachersConfig(Section):
+    members: list[TeacherSpec] = Field(default_factory=list, description="Teachers replaying trace states.")
+    min_agree: int = Field(2, ge=1, description="k: teachers that must agree on an action to mine a pair.")
+    usd_ceiling: float = Field(10.0, ge=0, description="Stop calling paid endpoints past this spend.")
+
+
+# --------------------------------------------------------------------------- task, ckpt, metrics
+
+
+class TaskConfig(Section):
+    import_path: str = Field(
+        "meshrl.tasks.toy:ToolTask", description="'pkg.mod:Factory' returning the task (prompts + verifier)."
+    )
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the task factory.")
+    prompts_per_step: int = Field(8, ge=1, description="Prompts sampled per training step.")
+    traces: list[str] = Field(default_factory=list, description="Ingested trace files (JSONL) replayed by teachers.")
+
+
+class CkptConfig(Section):
+    interval: int = Field(50, ge=1, description="Save a checkpoint every this many steps.")
+    keep_last: int = Field(3, ge=1, description="Complete checkpoints kept on disk.")
+
+
+class MetricsConfig(Section):
+    tensorboard: bool = Field(False, description="Also write TensorBoard event files.")
+    wandb_project: str | None = Field(None, description="Also log to this W&B project (needs the [wandb] extra).")
+    progress: Literal["auto", "rich", "plain"] = Field("auto", description="Rich display on a terminal, else plain lines.")
+
+
+# --------------------------------------------------------------------------- run
+
+
+class RunConfig(Section):
+    max_steps: int = Field(100, ge=1, description="Optimizer steps of the run.")
+    output_dir: str = Field("runs/local", min_length=1, description="Where config, metrics, checkpoints and plots go.")
+    seed: int = Field(0, ge=0, description="Seed of every random stream in the run.")
+    resume: bool = Field(False, description="Continue from the newest complete checkpoint in output_dir.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model.")
+    topology: TopologyConfig = Field(default_factory=TopologyConfig, description="Mesh placement.")
+    generator: GeneratorConfig = Field(default_factory=GeneratorConfig, description="Rollout generation.")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="Optimisation.")
+    loss: LossConfig = Field(default_factory=DppoKlLoss, description="Loss recipe, chosen by loss.type.")
+    teachers: TeachersConfig = Field(default_factory=TeachersConfig, description="Teacher-replay mesh.")
+    task: TaskConfig = Field(default_factory=TaskConfig, description="Prompts and verifier.")
+    ckpt: CkptConfig = Field(default_factory=CkptConfig, description="Checkpointing.")
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Metric sinks and display.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_loss_type(cls, data: Any) -> Any:
+        """A loss section that names no type tunes the default recipe (`--loss.kl_tau 0.01` alone)."""
+        if isinstance(data, dict) and isinstance(data.get("loss"), dict) and "type" not in data["loss"]:
+            data = {**data, "loss": {"type": "dppo_kl", **data["loss"]}}
+        return data

@@ -1,0 +1,219 @@
+"""The composed loss the trainer calls on each micro-batch.
+
+    total = (Σ_samples rl_fn(sample)) / (loss-mask tokens over all DP ranks)
+            + β·replay(pairs) + α·SDPO(error sites)
+
+A channel is off when its weight is 0 or the batch lacks its keys. Batch keys (tensors
+are (B, T) and aligned with `input_ids`; logprobs at position t are of token t):
+
+- RL: `input_ids`, `loss_mask`, `advantages`, `inference_logprobs`; optional
+  `ref_logprobs`, `loss_weights`, `attention_mask`, and `position_ids` (packed rows:
+  a sample starts wherever the position id is 0).
+- Replay: `dpo_{chosen,rejected}_input_ids`, `dpo_{chosen,rejected}_response_mask`;
+  optional `dpo_{chosen,rejected}_attention_mask` and precomputed reference sums
+  `dpo_ref_{chosen,rejected}_logprob` (B,).
+- SDPO: `sdpo_student_input_ids`, `sdpo_teacher_input_ids`, `sdpo_loss_mask` (1 on
+  recovery tokens, −100 elsewhere; the same positions in both); optional
+  `sdpo_{student,teacher}_attention_mask`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from functools import partial
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from meshrl.configs.schema import CustomLoss, DppoKlLoss, IpoLoss, LossConfig, RefKlLoss
+from meshrl.loss_adapters.logprobs import hidden_states, lm_head_weight, sequence_token_logprobs
+from meshrl.loss_adapters.prime_rl import LossInputs, LossOutputs, ipo_loss_fn, loss_fn, ref_kl_loss_fn
+from meshrl.loss_adapters.replay import replay_loss
+from meshrl.loss_adapters.sdpo import generalized_jsd
+
+RL_KEYS = ("input_ids", "loss_mask", "advantages", "inference_logprobs")
+REPLAY_KEYS = ("dpo_chosen_input_ids", "dpo_chosen_response_mask", "dpo_rejected_input_ids", "dpo_rejected_response_mask")
+SDPO_KEYS = ("sdpo_student_input_ids", "sdpo_teacher_input_ids", "sdpo_loss_mask")
+
+
+def import_object(path: str) -> object:
+    """Resolve 'pkg.mod.name' or 'pkg.mod:name'."""
+    module_name, sep, name = path.partition(":") if ":" in path else path.rpartition(".")
+    if not module_name or not name:
+        raise ValueError(f"import path {path!r} must look like 'pkg.module.name' or 'pkg.module:name'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"cannot import module {module_name!r} of {path!r}: {exc}") from exc
+    try:
+        return getattr(module, name)
+    except AttributeError:
+        raise ValueError(f"module {module_name!r} has no attribute {name!r} (from {path!r})") from None
+
+
+def rl_loss_fn(config: LossConfig) -> Callable[[LossInputs], LossOutputs]:
+    """The per-sample RL function a loss config selects, with its knobs bound."""
+    if isinstance(config, DppoKlLoss):
+        return partial(
+            loss_fn,
+            dppo_mask_low=config.dppo_mask_low,
+            dppo_mask_high=config.dppo_mask_high,
+            adv_tau=config.adv_tau,
+            kl_tau=config.kl_tau,
+        )
+    if isinstance(config, IpoLoss):
+        return partial(ipo_loss_fn, ipo_threshold=config.ipo_threshold, adv_tau=config.adv_tau, kl_tau=config.kl_tau)
+    if isinstance(config, RefKlLoss):
+        return partial(ref_kl_loss_fn, mask_low=config.mask_low, kl_tau=config.kl_tau)
+    if isinstance(config, CustomLoss):
+        try:
+            fn = import_object(config.import_path)
+        except ValueError as exc:
+            raise ValueError(f"loss.import_path: {exc}") from None
+        if not callable(fn):
+            raise ValueError(f"loss.import_path: {config.import_path!r} is not callable")
+        return partial(fn, **config.kwargs)
+    raise TypeError(f"unknown loss config {type(config).__name__}")
+
+
+def _forward_kwargs(batch: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
+    return {k: batch[prefix + k] for k in ("attention_mask", "position_ids") if prefix + k in batch}
+
+
+def sample_spans(batch: dict[str, Tensor]) -> list[tuple[int, int, int]]:
+    """(row, start, end) of every sample: one per row, or split where packed position ids restart at 0."""
+    rows, length = batch["input_ids"].shape
+    if "position_ids" not in batch:
+        return [(r, 0, length) for r in range(rows)]
+    spans = []
+    for r in range(rows):
+        starts = torch.nonzero(batch["position_ids"][r] == 0).flatten().tolist() or [0]
+        starts = starts if starts[0] == 0 else [0, *starts]
+        spans += [(r, s, e) for s, e in zip(starts, [*starts[1:], length])]
+    return spans
+
+
+def _rl_channel(
+    model: nn.Module, batch: dict[str, Tensor], fn: Callable, token_count: Tensor | int | None, chunk_size: int
+) -> tuple[Tensor, dict[str, Tensor]]:
+    logprobs = sequence_token_logprobs(model, batch["input_ids"], chunk_size, **_forward_kwargs(batch, ""))
+    loss_mask = batch["loss_mask"].bool()
+    total = logprobs.sum() * 0.0  # keeps a graph even when every sample is empty
+    per_metric: dict[str, list[Tensor]] = {}
+    for row, start, end in sample_spans(batch):
+        if not loss_mask[row, start:end].any():
+            continue
+        take = lambda key: batch[key][row, start:end] if key in batch else None  # noqa: E731
+        out = fn(
+            LossInputs(
+                trainer_logprobs=logprobs[row, start:end],
+                inference_logprobs=take("inference_logprobs"),
+                ref_logprobs=take("ref_logprobs"),
+                advantages=take("advantages"),
+                loss_mask=loss_mask[row, start:end],
+                loss_weights=take("loss_weights"),
+            )
+        )
+        total = total + out.loss
+        for name, value in out.metrics.items():
+            per_metric.setdefault(name, []).append(value.detach().float())
+    count = loss_mask.sum() if token_count is None else token_count
+    metrics = {name: torch.stack(values).mean() for name, values in per_metric.items()}
+    return total / torch.clamp_min(torch.as_tensor(count, dtype=total.dtype), 1), metrics
+
+
+def _replay_channel(
+    model: nn.Module, batch: dict[str, Tensor], ref_model: nn.Module | None, config: LossConfig, chunk_size: int
+) -> tuple[Tensor, dict[str, Tensor]]:
+    channel = config.replay
+    logprobs = {
+        side: sequence_token_logprobs(model, batch[f"dpo_{side}_input_ids"], chunk_size, **_forward_kwargs(batch, f"dpo_{side}_"))
+        for side in ("chosen", "rejected")
+    }
+    refs: dict[str, Tensor | None] = {side: batch.get(f"dpo_ref_{side}_logprob") for side in ("chosen", "rejected")}
+    if channel.variant == "dpo" and ref_model is not None:
+        with torch.no_grad():
+            for side in ("chosen", "rejected"):
+                if refs[side] is None:
+                    ids, mask = batch[f"dpo_{side}_input_ids"], batch[f"dpo_{side}_response_mask"]
+                    ref = sequence_token_logprobs(ref_model, ids, chunk_size, **_forward_kwargs(batch, f"dpo_{side}_"))
+                    refs[side] = (ref * mask.to(ref.dtype)).sum(-1)
+    out = replay_loss(
+        logprobs["chosen"],
+        batch["dpo_chosen_response_mask"],
+        logprobs["rejected"],
+        batch["dpo_rejected_response_mask"],
+        variant=channel.variant,
+        beta=channel.beta,
+        gamma=channel.gamma,
+        label_smoothing=channel.label_smoothing,
+        ref_chosen=refs["chosen"],
+        ref_rejected=refs["rejected"],
+    )
+    return out.loss, out.metrics
+
+
+def _sdpo_channel(model: nn.Module, batch: dict[str, Tensor], config: LossConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    """JSD between hint-free (student) and hint-conditioned (teacher, no grad) next-token
+    distributions, only at recovery tokens: logits exist for those N positions alone."""
+    channel = config.sdpo
+    labels = batch["sdpo_loss_mask"][:, 1:]  # position t-1 predicts token t
+    rows, cols = torch.nonzero(labels != -100, as_tuple=True)
+    weight = lm_head_weight(model)
+    student = hidden_states(model, batch["sdpo_student_input_ids"], **_forward_kwargs(batch, "sdpo_student_"))
+    with torch.no_grad():
+        teacher = hidden_states(model, batch["sdpo_teacher_input_ids"], **_forward_kwargs(batch, "sdpo_teacher_"))
+        teacher_logits = teacher[rows, cols] @ weight.T
+    student_logits = student[rows, cols] @ weight.T
+    loss = generalized_jsd(
+        student_logits[None],
+        teacher_logits[None],
+        labels=torch.ones(1, rows.numel(), dtype=torch.long, device=rows.device),
+        beta=channel.jsd_beta,
+        temperature=channel.temperature,
+        token_clip=channel.token_clip,
+    )
+    return loss, {"sdpo/tokens": torch.tensor(float(rows.numel()))}
+
+
+def compose_loss(
+    model: nn.Module,
+    batch: dict[str, Tensor],
+    config: LossConfig,
+    *,
+    rl_fn: Callable[[LossInputs], LossOutputs] | None = None,
+    rl_token_count: Tensor | int | None = None,
+    ref_model: nn.Module | None = None,
+    chunk_size: int = 1024,
+) -> LossOutputs:
+    """Every live channel's loss on one micro-batch, summed with its weight.
+
+    `rl_token_count` is the loss-mask token count summed over data-parallel ranks (the
+    local count when None); `ref_model` is the frozen DPO reference when the batch brings
+    no precomputed reference sums.
+    """
+    metrics: dict[str, Tensor] = {}
+    total: Tensor | None = None
+    if all(k in batch for k in RL_KEYS):
+        rl, rl_metrics = _rl_channel(model, batch, rl_fn or rl_loss_fn(config), rl_token_count, chunk_size)
+        total = rl
+        metrics.update(rl_metrics)
+        metrics["loss/rl"] = rl.detach()
+    if config.replay.weight > 0 and all(k in batch for k in REPLAY_KEYS):
+        replay, replay_metrics = _replay_channel(model, batch, ref_model, config, chunk_size)
+        total = config.replay.weight * replay if total is None else total + config.replay.weight * replay
+        metrics.update(replay_metrics)
+        metrics["loss/replay"] = replay.detach()
+    if config.sdpo.weight > 0 and all(k in batch for k in SDPO_KEYS) and (batch["sdpo_loss_mask"][:, 1:] != -100).any():
+        sdpo, sdpo_metrics = _sdpo_channel(model, batch, config)
+        total = config.sdpo.weight * sdpo if total is None else total + config.sdpo.weight * sdpo
+        metrics.update(sdpo_metrics)
+        metrics["loss/sdpo"] = sdpo.detach()
+    if total is None:
+        raise ValueError(
+            "no live loss channel: the batch lacks the RL keys "
+            f"{RL_KEYS} and every other channel is off or has no inputs"
+        )
+    metrics["loss/total"] = total.detach()
+    return LossOutputs(loss=total, metrics=metrics)

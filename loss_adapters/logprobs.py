@@ -1,0 +1,99 @@
+"""Per-token logprobs from last hidden states and the LM head, without a full N×V logits tensor.
+
+The forward pass walks token chunks, keeping only each token's label logit and its
+logsumexp; the backward pass recomputes one chunk's logits at a time and turns them into
+the gradients of the hidden states and of the head in place. Peak extra memory is one
+chunk × V instead of several N × V tensors (logits, log-softmax, their gradients).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+class _ChunkedTokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int, temperature: float) -> Tensor:
+        out = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
+        lse = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
+        for start in range(0, hidden.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
+            logits = (hidden[rows] @ weight.T).float()
+            if temperature != 1.0:
+                logits.div_(temperature)
+            lse[rows] = torch.logsumexp(logits, dim=-1)
+            out[rows] = logits.gather(1, labels[rows, None]).squeeze(1) - lse[rows]
+        ctx.save_for_backward(hidden, weight, labels, lse)
+        ctx.chunk_size, ctx.temperature = chunk_size, temperature
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        hidden, weight, labels, lse = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        scale = grad_out.float() / ctx.temperature
+        for start in range(0, hidden.shape[0], ctx.chunk_size):
+            rows = slice(start, start + ctx.chunk_size)
+            # d logprob / d logits = onehot(label) − softmax; scaled by the incoming gradient.
+            grad_logits = (hidden[rows] @ weight.T).float()
+            if ctx.temperature != 1.0:
+                grad_logits.div_(ctx.temperature)
+            grad_logits.sub_(lse[rows, None]).exp_().mul_(-scale[rows, None])
+            grad_logits.scatter_add_(1, labels[rows, None], scale[rows, None])
+            grad_logits = grad_logits.to(hidden.dtype)
+            if grad_hidden is not None:
+                torch.mm(grad_logits, weight, out=grad_hidden[rows])
+            if grad_weight is not None:
+                grad_weight.addmm_(grad_logits.T.float(), hidden[rows].float())
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None
+
+
+def chunked_token_logprobs(
+    hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int = 1024, temperature: float = 1.0
+) -> Tensor:
+    """log softmax(hidden @ weightᵀ / temperature)[label] for each row: (N, H), (V, H), (N,) → (N,) float32."""
+    if hidden.shape[0] != labels.shape[0]:
+        raise ValueError(f"hidden has {hidden.shape[0]} rows but labels has {labels.shape[0]}")
+    return _ChunkedTokenLogprobs.apply(hidden, weight, labels, chunk_size, temperature)
+
+
+def naive_token_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, temperature: float = 1.0) -> Tensor:
+    """The reference path: materialise all logits, log-softmax, gather."""
+    logits = (hidden @ weight.T).float() / temperature
+    return torch.log_softmax(logits, dim=-1).gather(1, labels[:, None]).squeeze(1)
+
+
+def lm_head_weight(model: nn.Module) -> Tensor:
+    """The output-embedding matrix (V, H) of an HF causal LM; a head with a bias is refused."""
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise ValueError("chunked logprobs support LM heads without a bias")
+    return head.weight
+
+
+def hidden_states(model: nn.Module, input_ids: Tensor, **forward_kwargs) -> Tensor:
+    """Last hidden states (B, T, H) of an HF causal LM's trunk (after its final norm).
+
+    No KV cache: without one, HF builds a block-diagonal mask from packed position ids.
+    """
+    return model.get_decoder()(input_ids=input_ids, use_cache=False, **forward_kwargs).last_hidden_state
+
+
+def sequence_token_logprobs(
+    model: nn.Module, input_ids: Tensor, chunk_size: int = 1024, temperature: float = 1.0, **forward_kwargs
+) -> Tensor:
+    """Logprob of each token given its prefix, (B, T), aligned with `input_ids`; position 0 is 0.
+
+    This is the alignment of inference logprobs (one per sampled token), so loss masks and
+    sampler logprobs index the same positions.
+    """
+    hidden = hidden_states(model, input_ids, **forward_kwargs)
+    batch, length, width = hidden.shape
+    flat = chunked_token_logprobs(
+        hidden[:, :-1].reshape(-1, width), lm_head_weight(model), input_ids[:, 1:].reshape(-1), chunk_size, temperature
+    )
+    return torch.cat([flat.new_zeros(batch, 1), flat.view(batch, length - 1)], dim=1)

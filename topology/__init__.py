@@ -1,0 +1,1 @@
+"""Placement of meshes on hosts: local, attached workers, SLURM (issue #5)."""

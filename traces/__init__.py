@@ -1,0 +1,1 @@
+"""Trace ingestion, teacher-replay pair mining and the collator (issue #3)."""
