@@ -40,24 +40,34 @@ def _type_name(annotation: object) -> str:
     return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
 
 
+def _models_in(annotation: object) -> list[type[BaseModel]]:
+    """The config models inside an annotation: itself, a tagged union's members, a list's items."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
+
+
 def _describe(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str, str, str]]:
-    """(dotted key, type, default, description) for every leaf field, unions by tag."""
+    """(dotted key, type, default, description) for every leaf field; union members by tag."""
     rows = []
     for name, field in model.model_fields.items():
         key = f"{prefix}{name}"
-        annotation = field.annotation
+        default = "(required)" if field.is_required() else repr(field.get_default(call_default_factory=True))
+        models = _models_in(field.annotation)
         if prefix.endswith("].") and name in ("type", "backend"):
-            continue  # the tag is already in the key
-        members = [a for a in typing.get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            rows += _describe(annotation, key + ".")
-        elif members and typing.get_origin(annotation) is not list:
-            for member in members:
-                tag = member.model_fields.get("type") or member.model_fields.get("backend")
-                rows += _describe(member, f"{key}[{tag.default}].")
+            continue  # the tag is in the key already
+        if len(models) == 1 and typing.get_origin(field.annotation) is not list:
+            rows += _describe(models[0], key + ".")
+        elif models:
+            tag_name = "type" if "type" in models[0].model_fields else "backend"
+            tags = [m.model_fields[tag_name].default for m in models]
+            list_key = f"{key}[]" if typing.get_origin(field.annotation) is list else key
+            shown = "[]" if list_key != key else repr(getattr(field.get_default(call_default_factory=True), tag_name))
+            rows.append((f"{list_key}.{tag_name}", "|".join(tags), shown, field.description or ""))
+            for tag, member in zip(tags, models):
+                rows += _describe(member, f"{key}[{tag}].")
         else:
-            default = "(required)" if field.is_required() else repr(field.get_default(call_default_factory=True))
-            rows.append((key, _type_name(annotation), default, field.description or ""))
+            rows.append((key, _type_name(field.annotation), default, field.description or ""))
     return rows
 
 

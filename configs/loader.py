@@ -15,7 +15,7 @@ from typing import Any
 import tomli_w
 from pydantic import ValidationError
 
-from meshrl.configs.schema import RunConfig
+from meshrl.configs.schema import FREE_FORM, RunConfig
 
 COMMAND_LINE = "the command line"
 
@@ -24,16 +24,24 @@ class ConfigError(ValueError):
     """A config source could not be read or the composed config is invalid."""
 
 
+# A source's place in the order, and its name: where a key was set last.
+Origin = tuple[int, str]
+
+
 def _norm_key(key: str) -> str:
     return key.replace("-", "_")
 
 
 def _normalise(data: dict[str, Any]) -> dict[str, Any]:
-    """Kebab-case keys are accepted everywhere; the schema speaks snake_case."""
-    return {_norm_key(k): _normalise(v) if isinstance(v, dict) else v for k, v in data.items()}
+    """Kebab-case keys are accepted for schema keys; free-form dicts (kwargs) keep theirs."""
+    out = {}
+    for key, value in data.items():
+        key = _norm_key(key)
+        out[key] = _normalise(value) if isinstance(value, dict) and key not in FREE_FORM else value
+    return out
 
 
-def _merge(dst: dict[str, Any], src: dict[str, Any], origin: str, where: dict[tuple[str, ...], str], prefix=()) -> None:
+def _merge(dst: dict[str, Any], src: dict[str, Any], origin: Origin, where: dict[tuple[str, ...], Origin], prefix=()) -> None:
     for key, value in src.items():
         path = (*prefix, key)
         if isinstance(value, dict) and isinstance(dst.get(key), dict):
@@ -45,30 +53,35 @@ def _merge(dst: dict[str, Any], src: dict[str, Any], origin: str, where: dict[tu
         _record(value, origin, where, path)
 
 
-def _record(value: Any, origin: str, where: dict[tuple[str, ...], str], path: tuple[str, ...]) -> None:
+def _record(value: Any, origin: Origin, where: dict[tuple[str, ...], Origin], path: tuple[str, ...]) -> None:
     where[path] = origin
     if isinstance(value, dict):
         for key, sub in value.items():
             _record(sub, origin, where, (*path, key))
 
 
-def _parse_value(raw: str) -> Any:
+def _parse_value(key: str, raw: str) -> Any:
     """CLI values stay strings for pydantic's lax parsing, except JSON lists/dicts and null."""
     text = raw.strip()
     if text.lower() in ("null", "none"):
         return None
-    if text[:1] in "[{":
+    if text.startswith(("[", "{")):
         try:
             return json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ConfigError(f"value {raw!r} looks like JSON but does not parse: {exc}") from exc
+            raise ConfigError(f"{COMMAND_LINE}: --{key}: value {raw!r} looks like JSON but does not parse: {exc}") from None
     return raw
 
 
 def _nest(dotted: str, value: Any) -> dict[str, Any]:
-    parts = [_norm_key(p) for p in dotted.split(".")]
+    parts = dotted.split(".")
     if not all(parts):
         raise ConfigError(f"malformed override key '--{dotted}'")
+    # kebab-case is normalised up to (and including) a free-form dict's own key
+    for i, part in enumerate(parts):
+        parts[i] = _norm_key(part)
+        if parts[i] in FREE_FORM:
+            break
     out: dict[str, Any] = value
     for part in reversed(parts):
         out = {part: out}
@@ -111,42 +124,48 @@ def parse_sources(args: list[str]) -> list[tuple[str, dict[str, Any]]]:
         elif word.startswith("--") and len(word) > 2:
             key, eq, raw = word[2:].partition("=")
             if not eq:
-                if i + 1 < len(args) and not args[i + 1].startswith("--"):
+                if i + 1 < len(args) and not args[i + 1].startswith(("--", "@")):
                     raw = args[i + 1]
                     i += 1
                 else:
                     raw = "true"
-            sources.append((COMMAND_LINE, _nest(key, _parse_value(raw))))
+            sources.append((COMMAND_LINE, _nest(key, _parse_value(key, raw))))
             i += 1
         else:
             raise ConfigError(f"unexpected argument {word!r}: expected '@ preset.toml' or '--dotted.key value'")
     return sources
 
 
-def _origin_of(loc: tuple[Any, ...], merged: dict[str, Any], where: dict[tuple[str, ...], str]) -> tuple[str, str]:
-    """Map a pydantic error location to a dotted key and the source that set it."""
+def _is_union_tag(node: Any, part: Any, rest: tuple[Any, ...]) -> bool:
+    """pydantic puts a tagged union's tag into error locations (loss.<type>.key)."""
+    if not isinstance(node, dict) or part in node:
+        return False
+    return part in (node.get("type"), node.get("backend")) or (bool(rest) and rest[0] in node)
+
+
+def _origin_of(loc: tuple[Any, ...], merged: dict[str, Any], where: dict[tuple[str, ...], Origin]) -> tuple[str, str]:
+    """Map a pydantic error location to a dotted key and the last source that set it (or below it)."""
     path: list[str] = []
     node: Any = merged
     for i, part in enumerate(loc):
+        if _is_union_tag(node, part, loc[i + 1 :]):
+            continue
         if isinstance(node, dict) and part in node:
-            path.append(str(part))
             node = node[part]
         elif isinstance(node, list) and isinstance(part, int) and part < len(node):
-            path.append(str(part))
             node = node[part]
-        elif isinstance(node, dict) and i + 1 < len(loc) and loc[i + 1] in node:
-            continue  # a union tag pydantic inserts into the location (loss.<type>.key)
         else:
-            path.append(str(part))
             node = None
+        path.append(str(part))
     for n in range(len(path), 0, -1):
-        origin = where.get(tuple(path[:n]))
-        if origin:
-            return ".".join(path), origin
+        prefix = tuple(path[:n])
+        origins = [origin for p, origin in where.items() if p[:n] == prefix]
+        if origins:
+            return ".".join(path), max(origins)[1]
     return ".".join(path), "the defaults"
 
 
-def _format_errors(exc: ValidationError, merged: dict[str, Any], where: dict[tuple[str, ...], str]) -> str:
+def _format_errors(exc: ValidationError, merged: dict[str, Any], where: dict[tuple[str, ...], Origin]) -> str:
     lines = []
     for err in exc.errors():
         key, origin = _origin_of(tuple(err["loc"]), merged, where)
@@ -161,9 +180,9 @@ def _format_errors(exc: ValidationError, merged: dict[str, Any], where: dict[tup
 def load_config(args: list[str] | None = None) -> RunConfig:
     """Compose defaults, presets and overrides into a validated RunConfig."""
     merged: dict[str, Any] = {}
-    where: dict[tuple[str, ...], str] = {}
-    for origin, partial in parse_sources(args or []):
-        _merge(merged, partial, origin, where)
+    where: dict[tuple[str, ...], Origin] = {}
+    for order, (origin, partial) in enumerate(parse_sources(args or [])):
+        _merge(merged, partial, (order, origin), where)
     try:
         return RunConfig.model_validate(merged)
     except ValidationError as exc:

@@ -9,7 +9,23 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# Fields holding user dicts (passed to user functions): their keys are kept verbatim.
+FREE_FORM = frozenset({"kwargs"})
+
+
+def _no_nulls(value: Any, key: str = "kwargs") -> Any:
+    """TOML has no null, so a resolved config holding one could not be saved and reloaded."""
+    if value is None:
+        raise ValueError(f"{key} is null; TOML cannot hold null values (leave the key out instead)")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _no_nulls(v, f"{key}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _no_nulls(v, f"{key}[{i}]")
+    return value
 
 
 class Section(BaseModel):
@@ -126,7 +142,7 @@ class LossBase(Section):
 
 
 class DppoKlLoss(LossBase):
-    type: Literal["dppo_kl"] = "dppo_kl"
+    type: Literal["dppo_kl"] = Field("dppo_kl", description="PRIME-RL's default: DPPO binary-TV mask + KL.")
     dppo_mask_low: float = Field(0.2, ge=0, description="Mask A≤0 tokens whose probability fell by more than this.")
     dppo_mask_high: float = Field(0.2, ge=0, description="Mask A>0 tokens whose probability rose by more than this.")
     adv_tau: float = Field(1.0, ge=0, description="Scale of the advantage term.")
@@ -134,24 +150,26 @@ class DppoKlLoss(LossBase):
 
 
 class IpoLoss(LossBase):
-    type: Literal["ipo"] = "ipo"
+    type: Literal["ipo"] = Field("ipo", description="Symmetric trust region on the probability change.")
     ipo_threshold: float = Field(0.1, ge=0, description="Mask tokens whose probability moved more than this either way.")
     adv_tau: float = Field(1.0, ge=0, description="Scale of the advantage term.")
     kl_tau: float = Field(1e-3, ge=0, description="Scale of the squared log-ratio KL to the inference policy.")
 
 
 class RefKlLoss(LossBase):
-    type: Literal["ref_kl"] = "ref_kl"
+    type: Literal["ref_kl"] = Field("ref_kl", description="On-policy distillation toward ref_logprobs.")
     mask_low: float = Field(0.2, ge=0, description="Mask tokens whose probability fell by more than this.")
     kl_tau: float = Field(1e-3, ge=0, description="Scale of the squared log-ratio KL to the inference policy.")
 
 
 class CustomLoss(LossBase):
-    type: Literal["custom"] = "custom"
+    type: Literal["custom"] = Field("custom", description="A PRIME-RL loss hook by import path.")
     import_path: str = Field(
         ..., min_length=1, description="'pkg.mod.fn' or 'pkg.mod:fn' with PRIME-RL's fn(inputs, **kwargs) -> LossOutputs."
     )
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the function.")
+
+    _kwargs_have_no_nulls = field_validator("kwargs")(_no_nulls)
 
 
 LossConfig = Annotated[DppoKlLoss | IpoLoss | RefKlLoss | CustomLoss, Field(discriminator="type")]
@@ -161,13 +179,13 @@ LossConfig = Annotated[DppoKlLoss | IpoLoss | RefKlLoss | CustomLoss, Field(disc
 
 
 class HfTeacher(Section):
-    backend: Literal["hf"] = "hf"
+    backend: Literal["hf"] = Field("hf", description="A local HF model.")
     name: str = Field(..., min_length=1, description="Teacher name recorded on mined pairs.")
     path: str = Field(..., min_length=1, description="Local HF model directory.")
 
 
 class OpenAITeacher(Section):
-    backend: Literal["openai"] = "openai"
+    backend: Literal["openai"] = Field("openai", description="An OpenAI-compatible chat endpoint.")
     name: str = Field(..., min_length=1, description="Teacher name recorded on mined pairs.")
     base_url: str = Field(..., description="OpenAI-compatible base URL (…/v1).")
     model: str = Field(..., description="Model name sent with each request.")
@@ -179,7 +197,7 @@ class OpenAITeacher(Section):
 
 
 class OracleTeacher(Section):
-    backend: Literal["oracle"] = "oracle"
+    backend: Literal["oracle"] = Field("oracle", description="The task's own oracle answers.")
     name: str = Field("oracle", min_length=1, description="Teacher name recorded on mined pairs.")
 
 
@@ -200,6 +218,8 @@ class TaskConfig(Section):
         "meshrl.tasks.toy:ToolTask", description="'pkg.mod:Factory' returning the task (prompts + verifier)."
     )
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the task factory.")
+
+    _kwargs_have_no_nulls = field_validator("kwargs")(_no_nulls)
     prompts_per_step: int = Field(8, ge=1, description="Prompts sampled per training step.")
     traces: list[str] = Field(default_factory=list, description="Ingested trace files (JSONL) replayed by teachers.")
 

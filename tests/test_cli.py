@@ -1,0 +1,237 @@
+"""The `meshrl` console script, run for real in a subprocess."""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from meshrl.configs import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+LOCAL = REPO / "configs" / "local.toml"
+SCRIPT = Path(sys.executable).with_name("meshrl")
+
+
+@functools.lru_cache(maxsize=None)
+def _run(args: tuple[str, ...], cwd: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "200"}
+    return subprocess.run(
+        [sys.executable, "-m", "meshrl.cli.main", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def meshrl(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """Run the console script (each process starts in ~0.4 s, so identical read-only calls are shared)."""
+    return _run(tuple(args), str(cwd))
+
+
+# --------------------------------------------------------------------------- help
+
+
+@pytest.mark.parametrize(
+    ("args", "usage"),
+    [
+        (["--help"], "usage: meshrl"),
+        (["train", "--help"], "usage: meshrl train"),
+        (["config", "show", "--help"], "usage: meshrl config show"),
+        (["config", "keys", "--help"], "usage: meshrl config keys"),
+        (["train", "@", "configs/local.toml", "-h"], "usage: meshrl train"),
+    ],
+)
+def test_help(args, usage):
+    result = meshrl(*args)
+    assert result.returncode == 0, result.stderr
+    assert usage in result.stdout
+    assert result.stderr == ""
+
+
+def test_top_level_help_lists_commands():
+    out = meshrl("--help").stdout
+    assert "train" in out and "config" in out
+
+
+def test_source_command_help_explains_forms():
+    out = meshrl("config", "show", "--help").stdout
+    assert "@ FILE.toml" in out and "--section.key VALUE" in out
+
+
+def test_console_script_installed():
+    assert SCRIPT.exists()
+    result = subprocess.run([str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0
+    assert "usage: meshrl" in result.stdout
+
+
+def test_no_command_is_usage_error():
+    result = meshrl()
+    assert result.returncode == 2
+    assert "usage: meshrl" in result.stderr
+
+
+# --------------------------------------------------------------------------- config show
+
+
+def test_config_show_with_preset_and_kebab_override():
+    result = meshrl("config", "show", "@", "configs/local.toml", "--loss.kl-tau", "0.01")
+    assert result.returncode == 0, result.stderr
+    shown = tomllib.loads(result.stdout)
+    local = tomllib.loads(LOCAL.read_text())
+    assert shown["loss"]["kl_tau"] == 0.01
+    assert shown["loss"]["replay"]["weight"] == local["loss"]["replay"]["weight"]
+    assert shown["max_steps"] == local["max_steps"]
+    assert shown["loss"]["type"] == "dppo_kl"
+
+
+def test_config_show_defaults_equal_load_config(tmp_path):
+    result = meshrl("config", "show")
+    assert result.returncode == 0, result.stderr
+    path = tmp_path / "shown.toml"
+    path.write_text(result.stdout)
+    assert load_config(["@", str(path)]) == load_config([])
+
+
+def test_config_show_order_matters():
+    first = tomllib.loads(meshrl("config", "show", "--max_steps", "5", "@", "configs/local.toml").stdout)
+    last = tomllib.loads(meshrl("config", "show", "@", "configs/local.toml", "--max_steps", "5").stdout)
+    assert first["max_steps"] == 60
+    assert last["max_steps"] == 5
+
+
+@pytest.mark.parametrize(
+    ("command", "args", "key"),
+    [
+        (("config", "show"), ["--loss.no_such_knob", "3"], "loss.no_such_knob"),
+        (("config", "show"), ["--loss.kl_tau", "notanumber"], "loss.kl_tau"),
+        (("train",), ["--loss.no_such_knob", "3"], "loss.no_such_knob"),
+        (("train",), ["--loss.type", "ipo", "--loss.dppo_mask_low", "0.1"], "loss.dppo_mask_low"),
+    ],
+)
+def test_bad_override_exits_2_naming_key(command, args, key, tmp_path):
+    result = meshrl(*command, "--output_dir", str(tmp_path / "run"), *args)
+    assert result.returncode == 2
+    assert key in result.stderr
+    assert "command line" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stdout == ""
+    assert not (tmp_path / "run" / "config.toml").exists()
+
+
+def test_bad_preset_value_exits_2_naming_file_and_key(tmp_path):
+    preset = tmp_path / "bad.toml"
+    preset.write_text("[generator]\ntemperature = -1.0\n")
+    result = meshrl("config", "show", "@", str(preset))
+    assert result.returncode == 2
+    assert str(preset) in result.stderr
+    assert "generator.temperature" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["@", "configs/does_not_exist.toml"], "configs/does_not_exist.toml"),
+        (["@"], "'@' must be followed"),
+    ],
+)
+def test_source_errors_exit_2(args, needle):
+    result = meshrl("config", "show", *args)
+    assert result.returncode == 2
+    assert needle in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_toml_syntax_error_exits_2_naming_file(tmp_path):
+    preset = tmp_path / "broken.toml"
+    preset.write_text("max_steps = = 3\n")
+    result = meshrl("config", "show", "@", str(preset))
+    assert result.returncode == 2
+    assert str(preset) in result.stderr and "invalid TOML" in result.stderr
+
+
+def test_config_show_null_inside_kwargs_does_not_crash():
+    # exposes bug: configs/loader.py to_toml (line 175) raises TypeError on a None inside
+    # a free-form dict, so `meshrl config show --task.kwargs '{"x": null}'` exits 1 with a
+    # Python traceback instead of printing TOML or a config error (exit 2).
+    result = meshrl("config", "show", "--task.kwargs", '{"x": null}')
+    assert "Traceback" not in result.stderr
+    assert result.returncode in (0, 2)
+
+
+# --------------------------------------------------------------------------- config keys
+
+
+def test_config_keys_lists_keys_with_descriptions():
+    result = meshrl("config", "keys")
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[0]: line for line in result.stdout.splitlines() if line.strip()}
+    assert "KEY" in rows
+    assert "loss[ipo].ipo_threshold" in rows
+    assert "Mask tokens whose probability moved more than this either way." in rows["loss[ipo].ipo_threshold"]
+    assert "generator.temperature" in rows
+    assert "Sampling temperature." in rows["generator.temperature"]
+    assert "float" in rows["generator.temperature"]
+    assert "loss[custom].import_path" in rows
+    assert "(required)" in rows["loss[custom].import_path"]
+    assert "model.tiny.hidden_size" in rows
+    assert "loss[dppo_kl].replay.weight" in rows
+    assert "loss[ref_kl].sdpo.token_clip" in rows
+    # the tag itself is in the key, not listed as a field of the member
+    assert "loss[ipo].type" not in rows
+
+
+def test_config_keys_every_row_has_description():
+    lines = [line for line in meshrl("config", "keys").stdout.splitlines()[1:] if line.strip()]
+    assert len(lines) > 60
+    header = meshrl("config", "keys").stdout.splitlines()[0]  # cached: same run
+    start = header.index("MEANING")
+    empty = [line.split()[0] for line in lines if not line[start:].strip()]
+    assert empty == []
+
+
+# --------------------------------------------------------------------------- train
+
+
+def test_train_writes_resolved_config(tmp_path):
+    out = tmp_path / "run"
+    result = meshrl("train", "@", "configs/local.toml", "--output-dir", str(out))
+    assert result.returncode == 0, result.stderr
+    written = out / "config.toml"
+    assert written.is_file()
+    assert not (out / "config.toml.tmp").exists()
+    assert str(written) in result.stdout
+    expected = load_config(["@", str(LOCAL), "--output-dir", str(out)])
+    assert load_config(["@", str(written)]) == expected
+    assert load_config(["@", str(written)]).output_dir == str(out)
+    assert "loss: dppo_kl" in result.stdout
+
+
+def test_train_overrides_reach_written_config(tmp_path):
+    out = tmp_path / "nested" / "run"
+    result = meshrl(
+        "train", "@", "configs/local.toml", "@", "configs/ipo.toml", "--output_dir", str(out), "--loss.kl-tau=0.02"
+    )
+    assert result.returncode == 0, result.stderr
+    config = load_config(["@", str(out / "config.toml")])
+    assert config.loss.type == "ipo"
+    assert config.loss.kl_tau == 0.02
+    assert config.loss.replay.weight == 0.1
+    assert "loss: ipo" in result.stdout
+
+
+def test_train_overwrites_existing_config(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.toml").write_text("max_steps = 1\n")
+    assert meshrl("train", "--output_dir", str(out), "--max_steps", "4").returncode == 0
+    assert load_config(["@", str(out / "config.toml")]).max_steps == 4
