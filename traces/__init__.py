@@ -1,1 +1,6 @@
-"""Trace ingestion, teacher-replay pair mining and the collator (issue #3)."""
+"""Traces: the trace-example schema, ingestion of agent sessions, teacher-replay pair mining,
+and the collator that turns traces into batches for all three loss channels."""
+
+from meshrl.traces.schema import ErrorMeta, ToolCall, TraceExample, Turn
+
+__all__ = ["ErrorMeta", "ToolCall", "TraceExample", "Turn"]
