@@ -39,6 +39,9 @@ class Turn(_Strict):
     is_error: bool | None = Field(None, description="Tool turns: the tool reported an error.")
     tool_error: str | None = Field(None, description="Assistant turns after an error result: the error kind.")
     error_meta: ErrorMeta | None = None
+    logprobs: list[float] | None = Field(
+        None, description="Assistant turns sampled by the policy: the sampler's logprob of each token of the turn."
+    )
 
 
 class TraceExample(_Strict):

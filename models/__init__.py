@@ -1,0 +1,1 @@
+"""Model builders: meshrl's tiny locally built model and tokenizer."""

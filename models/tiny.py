@@ -1,0 +1,125 @@
+"""meshrl's tiny model and tokenizer, built and saved locally so nothing is downloaded.
+
+The tokenizer is a byte-level BPE (any text encodes) trained on a small built-in corpus,
+with ChatML-style special tokens and a chat template that renders tool calls and tool
+results. The model is a small Llama. Both are saved in HF format and loaded back through
+the same `from_pretrained` path a real model takes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from meshrl.configs.schema import TinyModelConfig
+
+SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# ChatML with tool calls as <tool_call>{json}</tool_call> lines and tool results as a `tool` role.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] %}{{ message['content'] }}{% endif -%}"
+    "{%- for call in message.get('tool_calls') or [] -%}"
+    "{{ '\\n<tool_call>' }}{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}"
+    "{{ '</tool_call>' }}"
+    "{%- endfor -%}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif -%}"
+)
+
+_WORDS = (
+    "the a an to of and in is it that for on with as this be are was you not or by from at have but can all "
+    "file files error errors command run test tests python bash read write edit path line lines import def "
+    "class return self print if else elif for while try except raise with open json list dict str int "
+    "true false none null user assistant system tool call result output input value key name args "
+    "cd ls cat grep git diff commit push pip install make pytest src main py txt md toml yaml "
+    "not found no such directory permission denied syntax connection refused timeout fix fixed "
+    "hint try again instead use check first let me now will should could would done ok yes"
+).split()
+
+
+def _corpus(lines: int = 4000) -> list[str]:
+    """A deterministic mix of words, code-ish punctuation and numbers for BPE training."""
+    out, punct = [], [".", ",", ":", "(", ")", "[", "]", "{", "}", "=", "/", "_", "-", '"', "'", "\n", "  "]
+    for i in range(lines):
+        words = [_WORDS[(i * 7 + j * 13) % len(_WORDS)] for j in range(3 + i % 9)]
+        words.insert(i % len(words), punct[i % len(punct)])
+        out.append(" ".join(words) + f" {i % 97}")
+    return out
+
+
+def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """Train the byte-level BPE and wrap it as an HF fast tokenizer with the chat template."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<|pad|>",
+        eos_token="<|im_end|>",
+        bos_token=None,
+        unk_token=None,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def build_model(spec: TinyModelConfig, tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> LlamaForCausalLM:
+    import torch
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.hidden_size * 4,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    return LlamaForCausalLM(config)
+
+
+def ensure_tiny(directory: str | Path, spec: TinyModelConfig | None = None, seed: int = 0) -> Path:
+    """Build and save the tiny model + tokenizer at `directory` unless a complete copy is there.
+
+    Written into a temporary sibling and renamed, so a crash never leaves a half-built model
+    that looks complete.
+    """
+    directory = Path(directory)
+    if (directory / "config.json").exists() and (directory / "tokenizer.json").exists():
+        return directory
+    spec = spec or TinyModelConfig()
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        tokenizer = build_tokenizer(spec.vocab_size)
+        tokenizer.save_pretrained(tmp)
+        build_model(spec, tokenizer, seed).save_pretrained(tmp, safe_serialization=True)
+        if directory.exists():
+            shutil.rmtree(directory)
+        os.replace(tmp, directory)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return directory
+
+
+def load_tokenizer(directory: str | Path) -> PreTrainedTokenizerFast:
+    return AutoTokenizer.from_pretrained(str(directory))

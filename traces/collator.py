@@ -1,0 +1,362 @@
+"""TraceCollator: trace examples (and mined DPO pairs) → tensors for all three loss channels.
+
+Masks come from the chat-templated token stream itself: each conversation is rendered
+once with the tokenizer's own chat template, every assistant turn's character span is
+located in that text, and the text is tokenized once (batched) with offsets, so a token is
+in a span exactly when its characters are. Nothing is tokenized segment by segment (which
+misaligns with the template's role tokens).
+
+Span location is linear in the trace: the template's assistant header and end-of-turn
+footer are learned once per tokenizer from a probe conversation, then found by string
+search after each turn's content. When a template rewrites content so that search fails,
+the trace falls back to exact incremental rendering (prefix by prefix).
+
+Truncation: a sequence longer than `max_seq_len` keeps its first `max_seq_len` tokens (the
+prompt and earliest turns) and is counted in `truncated`; an SDPO or DPO row whose masked
+span would be cut is dropped and counted instead, since half a recovery turn or response
+teaches the wrong thing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from meshrl.traces.schema import TraceExample, Turn
+
+HintGenerator = Callable[[str, dict[str, Any]], "str | None"]
+IGNORE = -100
+_PROBE_USER, _PROBE_REPLY = "meshrl probe question", "meshrl probe reply 7f3a"
+
+
+def to_message(turn: Turn | Mapping[str, Any]) -> dict[str, Any]:
+    """A trace turn as an OpenAI-style chat message, the form chat templates expect."""
+    turn = turn if isinstance(turn, Turn) else Turn.model_validate(turn)
+    message: dict[str, Any] = {"role": turn.role, "content": turn.content}
+    if turn.tool_calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in turn.tool_calls
+        ]
+    if turn.tool_call_id is not None:
+        message["tool_call_id"] = turn.tool_call_id
+    return message
+
+
+@dataclass
+class Encoded:
+    """One tokenized sequence with its per-token masks."""
+
+    ids: np.ndarray
+    mask: np.ndarray  # bool: tokens in the loss (assistant turns / recovery turn / response)
+    logprobs: np.ndarray | None = None
+
+
+class TraceCollator:
+    """Collate trace examples into RL/SFT, SDPO and replay-DPO tensors.
+
+    `hint_generator(error_kind, error_meta) -> hint text | None` turns on SDPO rows (one per
+    error site); `pack_tokens` packs RL rows first-fit-decreasing into rows of at most that
+    many tokens with per-sample position ids (else rows are right-padded with an attention
+    mask); `max_seq_len` truncates (see the module docstring).
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        hint_generator: HintGenerator | None = None,
+        *,
+        max_seq_len: int | None = None,
+        pack_tokens: int | None = None,
+        hint_role: str = "user",
+    ) -> None:
+        if tokenizer.chat_template is None:
+            raise ValueError("the tokenizer has no chat template; TraceCollator needs one")
+        if tokenizer.pad_token_id is None:
+            raise ValueError("the tokenizer has no pad token; set tokenizer.pad_token first")
+        if pack_tokens is not None and max_seq_len is not None and max_seq_len > pack_tokens:
+            raise ValueError(f"max_seq_len {max_seq_len} exceeds pack_tokens {pack_tokens}")
+        self.tokenizer = tokenizer
+        self.hint_generator = hint_generator
+        self.max_seq_len = max_seq_len if max_seq_len is not None else pack_tokens
+        self.pack_tokens = pack_tokens
+        self.hint_role = hint_role
+        self.header, self.footer = self._learn_turn_markers()
+
+    # ------------------------------------------------------------------ rendering and spans
+
+    def render(self, messages: list[dict[str, Any]], generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def _learn_turn_markers(self) -> tuple[str, str]:
+        """The assistant header (the generation prompt) and the end-of-turn marker after a reply."""
+        user = [{"role": "user", "content": _PROBE_USER}]
+        bare, prompted = self.render(user), self.render(user, generation_prompt=True)
+        full = self.render([*user, {"role": "assistant", "content": _PROBE_REPLY}])
+        if not prompted.startswith(bare) or not full.startswith(prompted) or _PROBE_REPLY not in full:
+            raise ValueError("the chat template does not render conversations prefix by prefix")
+        after = full[full.index(_PROBE_REPLY) + len(_PROBE_REPLY) :]
+        return prompted[len(bare) :], after.rstrip()
+
+    def assistant_spans(self, messages: list[dict[str, Any]], text: str) -> list[tuple[int, int]] | None:
+        """Character spans of every assistant turn (content, tool calls, end marker) in `text`.
+
+        None when the template rewrote something the search relies on."""
+        spans, cursor = [], 0
+        for message in messages:
+            content = message.get("content") or ""
+            if message["role"] != "assistant":
+                found = text.find(content, cursor)
+                if found < 0:
+                    return None
+                cursor = found + len(content)
+                continue
+            found = text.find(self.header + content, cursor)
+            if found < 0:
+                return None
+            start = found + len(self.header)
+            end = text.find(self.footer, start + len(content)) if self.footer else len(text)
+            if end < 0:
+                return None
+            end += len(self.footer)
+            spans.append((start, end))
+            cursor = end
+        return spans
+
+    def exact_assistant_spans(self, messages: list[dict[str, Any]], text: str) -> list[tuple[int, int]]:
+        """Spans by rendering each prefix (quadratic in turns; the fallback)."""
+        spans = []
+        for k, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            prompt = self.render(messages[:k], generation_prompt=True)
+            upto = self.render(messages[: k + 1])
+            if not (upto.startswith(prompt) and text.startswith(upto)):
+                raise ValueError("the chat template does not render this conversation prefix by prefix")
+            reply = upto[len(prompt) :]
+            cut = reply.rfind(self.footer) + len(self.footer) if self.footer and self.footer in reply else len(reply)
+            spans.append((len(prompt), len(prompt) + cut))
+        return spans
+
+    def _spans(self, messages: list[dict[str, Any]], text: str) -> list[tuple[int, int]]:
+        return self.assistant_spans(messages, text) or self.exact_assistant_spans(messages, text)
+
+    def _encode_all(self, texts: list[str], spans: list[list[tuple[int, int]]]) -> list[Encoded]:
+        """Tokenize all texts in one batched call; mark tokens whose characters start inside a span."""
+        if not texts:
+            return []
+        batch = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        out = []
+        for ids, offsets, text_spans in zip(batch["input_ids"], batch["offset_mapping"], spans):
+            starts = np.fromiter((o[0] for o in offsets), dtype=np.int64, count=len(offsets))
+            mask = np.zeros(len(ids), dtype=bool)
+            for lo, hi in text_spans:
+                mask[np.searchsorted(starts, lo, "left") : np.searchsorted(starts, hi, "left")] = True
+            out.append(Encoded(np.asarray(ids, dtype=np.int64), mask))
+        return out
+
+    # ------------------------------------------------------------------ channels
+
+    def _rl(self, examples: Sequence[TraceExample], advantages: Sequence[float] | None, stats: dict[str, int]):
+        messages = [[to_message(t) for t in ex.turns] for ex in examples]
+        texts = [self.render(m) for m in messages]
+        encoded = self._encode_all(texts, [self._spans(m, t) for m, t in zip(messages, texts)])
+        for ex, enc in zip(examples, encoded):
+            enc.logprobs = self._trace_logprobs(ex, enc)
+        rewards = [ex.final_reward for ex in examples]
+        if advantages is None:
+            known = [r for r in rewards if r is not None]
+            baseline = sum(known) / len(known) if known else 0.0
+            advantages = [0.0 if r is None else r - baseline for r in rewards]
+        elif len(advantages) != len(examples):
+            raise ValueError(f"{len(advantages)} advantages for {len(examples)} examples")
+        for enc in encoded:
+            stats["truncated"] += self._truncate(enc)
+        return encoded, rewards, list(advantages)
+
+    def _trace_logprobs(self, example: TraceExample, enc: Encoded) -> np.ndarray | None:
+        """Per-token sampler logprobs placed on the assistant tokens, when every assistant turn has them."""
+        assistant = [t for t in example.turns if t.role == "assistant"]
+        if not assistant or any(t.logprobs is None for t in assistant):
+            return None
+        values = np.concatenate([np.asarray(t.logprobs, dtype=np.float32) for t in assistant])
+        if values.size != int(enc.mask.sum()):
+            raise ValueError(
+                f"trace {example.trace_id}: {values.size} logprobs for {int(enc.mask.sum())} assistant tokens "
+                "(logprobs must be per token of the turns as this tokenizer's chat template tokenizes them)"
+            )
+        out = np.zeros(enc.ids.size, dtype=np.float32)
+        out[enc.mask] = values
+        return out
+
+    def _truncate(self, enc: Encoded) -> bool:
+        if self.max_seq_len is None or enc.ids.size <= self.max_seq_len:
+            return False
+        enc.ids, enc.mask = enc.ids[: self.max_seq_len], enc.mask[: self.max_seq_len]
+        if enc.logprobs is not None:
+            enc.logprobs = enc.logprobs[: self.max_seq_len]
+        return True
+
+    def _sdpo(self, examples: Sequence[TraceExample], stats: dict[str, int]) -> tuple[list[Encoded], list[Encoded]]:
+        """One (student, teacher) pair per error site: the teacher sees a hint right before the recovery turn."""
+        students, teachers = [], []
+        for ex in examples:
+            messages = [to_message(t) for t in ex.turns]
+            for k, turn in enumerate(ex.turns):
+                if turn.role != "assistant" or turn.tool_error is None:
+                    continue
+                meta = turn.error_meta.model_dump() if turn.error_meta else {}
+                hint = self.hint_generator(turn.tool_error, meta)
+                if hint is None:
+                    continue
+                students.append(messages[: k + 1])
+                teachers.append([*messages[:k], {"role": self.hint_role, "content": hint}, messages[k]])
+        if not students:
+            return [], []
+        texts = [self.render(m) for m in students + teachers]
+        last_spans = [[self._spans(m, t)[-1]] for m, t in zip(students + teachers, texts)]
+        encoded = self._encode_all(texts, last_spans)
+        kept_s, kept_t = [], []
+        for student, teacher in zip(encoded[: len(students)], encoded[len(students) :]):
+            same = np.array_equal(student.ids[student.mask], teacher.ids[teacher.mask])
+            too_long = self.max_seq_len is not None and teacher.ids.size > self.max_seq_len
+            if not same or too_long:
+                stats["sdpo_dropped"] += 1
+                continue
+            kept_s.append(student)
+            kept_t.append(teacher)
+        return kept_s, kept_t
+
+    def _dpo(self, pairs: Iterable[Any], stats: dict[str, int]) -> tuple[list[Encoded], list[Encoded]]:
+        """Prompt through the template with a generation prompt; response tokens masked 1."""
+        texts, spans = [], []
+        for pair in pairs:
+            pair = pair if isinstance(pair, Mapping) else pair.model_dump()
+            state = [to_message(m) for m in pair["state_messages"]]
+            prompt = self.render(state, generation_prompt=True)
+            for action in (pair["chosen"], pair["rejected"]):
+                full = self.render([*state, to_message(action)])
+                if not full.startswith(prompt):
+                    raise ValueError("the chat template does not render the pair's prompt as a prefix of prompt+response")
+                end = full.rfind(self.footer) + len(self.footer) if self.footer else len(full)
+                texts.append(full)
+                spans.append([(len(prompt), end)])
+        encoded = self._encode_all(texts, spans)
+        chosen, rejected = [], []
+        for c, r in zip(encoded[0::2], encoded[1::2]):
+            if self.max_seq_len is not None and max(c.ids.size, r.ids.size) > self.max_seq_len:
+                stats["dpo_dropped"] += 1
+                continue
+            chosen.append(c)
+            rejected.append(r)
+        return chosen, rejected
+
+    # ------------------------------------------------------------------ tensors
+
+    def _pad(self, rows: list[Encoded], left: bool = False) -> dict[str, torch.Tensor]:
+        width = max(r.ids.size for r in rows)
+        ids = torch.full((len(rows), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        attention = torch.zeros(len(rows), width, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.bool)
+        logprobs = torch.zeros(len(rows), width, dtype=torch.float32)
+        for i, r in enumerate(rows):
+            cols = slice(width - r.ids.size, width) if left else slice(0, r.ids.size)
+            ids[i, cols] = torch.from_numpy(r.ids)
+            attention[i, cols] = 1
+            mask[i, cols] = torch.from_numpy(r.mask)
+            if r.logprobs is not None:
+                logprobs[i, cols] = torch.from_numpy(r.logprobs)
+        return {"input_ids": ids, "attention_mask": attention, "mask": mask, "logprobs": logprobs}
+
+    def _pack(self, rows: list[Encoded], values: list[float]) -> dict[str, torch.Tensor]:
+        """First-fit-decreasing into rows of ≤ pack_tokens; position ids restart at each sample."""
+        bins: list[list[int]] = []
+        room: list[int] = []
+        for i in sorted(range(len(rows)), key=lambda i: -rows[i].ids.size):
+            size = rows[i].ids.size
+            slot = next((b for b, free in enumerate(room) if free >= size), None)
+            if slot is None:
+                bins.append([i])
+                room.append(self.pack_tokens - size)
+            else:
+                bins[slot].append(i)
+                room[slot] -= size
+        width = max(self.pack_tokens - free for free in room)
+        out = {
+            "input_ids": torch.full((len(bins), width), self.tokenizer.pad_token_id, dtype=torch.long),
+            "position_ids": torch.zeros(len(bins), width, dtype=torch.long),
+            "loss_mask": torch.zeros(len(bins), width, dtype=torch.bool),
+            "advantages": torch.zeros(len(bins), width),
+            "inference_logprobs": torch.zeros(len(bins), width),
+            "sample_index": torch.full((len(bins), width), -1, dtype=torch.long),
+        }
+        for b, members in enumerate(bins):
+            col = 0
+            for i in members:
+                r, n = rows[i], rows[i].ids.size
+                cols = slice(col, col + n)
+                out["input_ids"][b, cols] = torch.from_numpy(r.ids)
+                out["position_ids"][b, cols] = torch.arange(n)
+                out["loss_mask"][b, cols] = torch.from_numpy(r.mask)
+                out["advantages"][b, cols] = values[i]
+                out["sample_index"][b, cols] = i
+                if r.logprobs is not None:
+                    out["inference_logprobs"][b, cols] = torch.from_numpy(r.logprobs)
+                col += n
+            out["position_ids"][b, col:] = torch.arange(width - col)  # padding: its own, loss-free sample
+        return out
+
+    def __call__(
+        self,
+        examples: Sequence[TraceExample | Mapping[str, Any]],
+        pairs: Iterable[Any] = (),
+        advantages: Sequence[float] | None = None,
+    ) -> dict[str, Any]:
+        """Collate. `pairs` are mined DPO pairs (DpoPair or dicts with state_messages/chosen/rejected);
+        `advantages` (one per example) default to reward minus the batch's mean reward."""
+        examples = [ex if isinstance(ex, TraceExample) else TraceExample.model_validate(ex) for ex in examples]
+        stats = {"truncated": 0, "sdpo_dropped": 0, "dpo_dropped": 0}
+        batch: dict[str, Any] = {}
+        if examples:
+            rows, rewards, advs = self._rl(examples, advantages, stats)
+            has_logprobs = all(r.logprobs is not None for r in rows)
+            if self.pack_tokens is not None:
+                packed = self._pack(rows, advs)
+                if not has_logprobs:
+                    del packed["inference_logprobs"]
+                batch.update(packed)
+            else:
+                padded = self._pad(rows)
+                batch.update(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"])
+                batch["loss_mask"] = padded["mask"]
+                batch["advantages"] = torch.tensor(advs, dtype=torch.float32)[:, None] * padded["attention_mask"]
+                if has_logprobs:
+                    batch["inference_logprobs"] = padded["logprobs"]
+            batch["rewards"] = torch.tensor([float("nan") if r is None else r for r in rewards])
+        if self.hint_generator is not None and examples:
+            students, teachers = self._sdpo(examples, stats)
+            if students:
+                padded_s = self._pad(students + teachers, left=True)
+                half = len(students)
+                ids, attention, mask = padded_s["input_ids"], padded_s["attention_mask"], padded_s["mask"]
+                positions = (attention.cumsum(1) - 1).clamp_min(0)
+                batch["sdpo_student_input_ids"], batch["sdpo_teacher_input_ids"] = ids[:half], ids[half:]
+                batch["sdpo_student_attention_mask"] = attention[:half]
+                batch["sdpo_teacher_attention_mask"] = attention[half:]
+                batch["sdpo_student_position_ids"], batch["sdpo_teacher_position_ids"] = positions[:half], positions[half:]
+                loss_mask = torch.full_like(ids[half:], IGNORE)
+                loss_mask[mask[half:]] = 1
+                batch["sdpo_loss_mask"] = loss_mask
+        chosen, rejected = self._dpo(pairs, stats)
+        if chosen:
+            for side, rows in (("chosen", chosen), ("rejected", rejected)):
+                padded = self._pad(rows)
+                batch[f"dpo_{side}_input_ids"] = padded["input_ids"]
+                batch[f"dpo_{side}_attention_mask"] = padded["attention_mask"]
+                batch[f"dpo_{side}_response_mask"] = padded["mask"].long()
+        batch["stats"] = stats
+        return batch
