@@ -1,0 +1,203 @@
+"""TraceCollator against the chat-templated token stream of a locally built tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshrl.models.tiny import build_tokenizer
+from meshrl.traces.collator import TraceCollator, to_message
+from meshrl.traces.schema import TraceExample
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer(512)
+
+
+def _trace(trace_id: str = "t1", reward: float | None = 1.0, n_errors: int = 1) -> TraceExample:
+    turns = [{"role": "system", "content": "You are a careful coding agent."},
+             {"role": "user", "content": "Run the tests and fix what fails."}]  # fmt: skip
+    for i in range(n_errors):
+        turns += [
+            {"role": "assistant", "content": f"Running them ({i}).",
+             "tool_calls": [{"id": f"c{i}", "name": "bash", "arguments": {"cmd": "pytest -q", "n": i}}]},
+            {"role": "tool", "content": "bash: pytest: command not found", "tool_call_id": f"c{i}", "is_error": True},
+            {"role": "assistant", "content": f"pip install pytest first, attempt {i}.", "tool_error": "command_not_found",
+             "error_meta": {"tool_name": "bash", "excerpt": "bash: pytest: command not found"}},
+        ]  # fmt: skip
+    turns.append({"role": "user", "content": "thanks"})
+    return TraceExample(trace_id=trace_id, source="test", turns=turns, final_reward=reward)
+
+
+def _assistant_texts(trace: TraceExample) -> list[str]:
+    """What each assistant turn renders to under the tiny template (content + tool calls)."""
+    out = []
+    for t in trace.turns:
+        if t.role == "assistant":
+            calls = "".join(
+                f'\n<tool_call>{{"name": "{c.name}", "arguments": {_json(c.arguments)}}}</tool_call>'
+                for c in t.tool_calls or []
+            )
+            out.append(t.content + calls)
+    return out
+
+
+def _json(value) -> str:
+    import json
+
+    return json.dumps(value)
+
+
+def hint(kind: str, meta: dict) -> str:
+    return f"Hint: the {meta['tool_name']} call failed with {kind}; install the tool first."
+
+
+def test_loss_mask_covers_exactly_the_assistant_turns(tok):
+    trace = _trace(n_errors=2)
+    batch = TraceCollator(tok)([trace])
+    ids, mask = batch["input_ids"][0], batch["loss_mask"][0]
+    assert torch.equal(ids, torch.tensor(tok.apply_chat_template([to_message(t) for t in trace.turns])["input_ids"]))
+    assert tok.decode(ids[mask], skip_special_tokens=True) == "".join(_assistant_texts(trace))
+    # every masked run ends on the end-of-turn token, which the model must learn to emit
+    runs_end = mask & ~torch.cat([mask[1:], torch.tensor([False])])
+    assert (ids[runs_end] == tok.convert_tokens_to_ids("<|im_end|>")).all()
+    assert int(runs_end.sum()) == 4
+    assert "inference_logprobs" not in batch  # the trace carries none
+
+
+def test_masks_do_not_depend_on_segment_tokenization(tok):
+    """A span that starts mid-word in segment tokenization still lines up with the template's tokens."""
+    trace = TraceExample(trace_id="x", source="t", turns=[
+        {"role": "user", "content": "say ab"}, {"role": "assistant", "content": "abab  ab\n\nab"}])  # fmt: skip
+    batch = TraceCollator(tok)([trace])
+    assert tok.decode(batch["input_ids"][0][batch["loss_mask"][0]], skip_special_tokens=True) == "abab  ab\n\nab"
+
+
+def test_sdpo_rows_align_recovery_tokens_and_decode_to_the_recovery_text(tok):
+    trace = _trace(n_errors=2)
+    batch = TraceCollator(tok, hint_generator=hint)([trace, _trace("t2", n_errors=0)])
+    student, teacher, mask = batch["sdpo_student_input_ids"], batch["sdpo_teacher_input_ids"], batch["sdpo_loss_mask"]
+    assert student.shape == teacher.shape == mask.shape and student.shape[0] == 2  # one row per error site
+    recoveries = [t.content for t in trace.turns if t.tool_error]
+    for row in range(2):
+        on = mask[row] == 1
+        assert set(mask[row].tolist()) <= {1, -100}
+        assert torch.equal(student[row][on], teacher[row][on])
+        assert tok.decode(teacher[row][on], skip_special_tokens=True) == recoveries[row]
+        teacher_text = tok.decode(teacher[row][batch["sdpo_teacher_attention_mask"][row] == 1])
+        student_text = tok.decode(student[row][batch["sdpo_student_attention_mask"][row] == 1])
+        assert "Hint: the bash call failed with command_not_found" in teacher_text
+        assert "Hint" not in student_text
+        # the hint sits right before the recovery turn; the student is the plain prefix through it
+        assert teacher_text.index("Hint") > teacher_text.index("command not found")
+        assert student_text.endswith(recoveries[row] + "<|im_end|>\n")
+    # attention covers the real tokens only, left-padded; positions count real tokens
+    am = batch["sdpo_student_attention_mask"]
+    assert torch.equal(batch["sdpo_student_position_ids"][am == 1][: int(am[0].sum())], torch.arange(int(am[0].sum())))
+
+
+def test_no_hint_generator_or_no_error_sites_means_no_sdpo_keys(tok):
+    assert "sdpo_loss_mask" not in TraceCollator(tok)([_trace()])
+    assert "sdpo_loss_mask" not in TraceCollator(tok, hint_generator=hint)([_trace(n_errors=0)])
+    assert "sdpo_loss_mask" not in TraceCollator(tok, hint_generator=lambda k, m: None)([_trace()])
+
+
+def test_dpo_rows_mask_the_response_after_the_generation_prompt(tok):
+    state = [{"role": "user", "content": "list the files"}]
+    pair = {"state_messages": state, "chosen": {"role": "assistant", "content": "",
+            "tool_calls": [{"id": "a", "name": "bash", "arguments": {"cmd": "ls"}}]},
+            "rejected": {"role": "assistant", "content": "I cannot do that."}}  # fmt: skip
+    batch = TraceCollator(tok)([], pairs=[pair, pair])
+    prompt = tok.apply_chat_template(state, add_generation_prompt=True)["input_ids"]
+    for side, text in (("chosen", '\n<tool_call>{"name": "bash", "arguments": {"cmd": "ls"}}</tool_call>'),
+                       ("rejected", "I cannot do that.")):  # fmt: skip
+        ids, mask = batch[f"dpo_{side}_input_ids"][0], batch[f"dpo_{side}_response_mask"][0].bool()
+        assert ids[: len(prompt)].tolist() == prompt and not mask[: len(prompt)].any()
+        assert tok.decode(ids[mask], skip_special_tokens=True) == text
+        assert batch[f"dpo_{side}_attention_mask"].shape == batch[f"dpo_{side}_input_ids"].shape
+
+
+def test_advantages_default_to_reward_minus_batch_mean(tok):
+    batch = TraceCollator(tok)([_trace("a", 1.0), _trace("b", 0.0), _trace("c", None)])
+    advs = batch["advantages"]
+    assert advs[0][batch["attention_mask"][0] == 1].unique().tolist() == [0.5]
+    assert advs[1][batch["attention_mask"][1] == 1].unique().tolist() == [-0.5]
+    assert advs[2].abs().sum() == 0 and torch.isnan(batch["rewards"][2])
+    given = TraceCollator(tok)([_trace("a"), _trace("b")], advantages=[2.0, -1.0])["advantages"]
+    assert given[0, 0] == 2.0 and given[1, 0] == -1.0
+
+
+def test_packing_first_fit_decreasing_with_position_resets(tok):
+    traces = [_trace(str(i), n_errors=i % 3) for i in range(7)]
+    plain = TraceCollator(tok)(traces)
+    lengths = plain["attention_mask"].sum(1).tolist()
+    budget = max(lengths) + 40
+    packed = TraceCollator(tok, pack_tokens=budget)(traces)
+    assert packed["input_ids"].shape[1] <= budget
+    assert packed["input_ids"].shape[0] < len(traces)
+    index = packed["sample_index"]
+    for i, length in enumerate(lengths):
+        where = index == i
+        assert int(where.sum()) == length  # every sample whole, in one row
+        row = int(where.any(1).nonzero()[0])
+        assert packed["position_ids"][row][where[row]].tolist() == list(range(length))
+        assert torch.equal(packed["input_ids"][row][where[row]], plain["input_ids"][i][: length])
+        assert torch.equal(packed["loss_mask"][row][where[row]], plain["loss_mask"][i][: length])
+
+
+def test_truncation_keeps_the_head_and_counts(tok):
+    trace = _trace(n_errors=3)
+    full = TraceCollator(tok)([trace])["input_ids"].shape[1]
+    batch = TraceCollator(tok, max_seq_len=full // 2, hint_generator=hint)([trace])
+    assert batch["input_ids"].shape[1] == full // 2 and batch["stats"]["truncated"] == 1
+    # SDPO rows whose recovery turn would be cut are dropped and counted, never half-kept
+    kept = batch.get("sdpo_teacher_input_ids")
+    assert batch["stats"]["sdpo_dropped"] >= 1
+    assert kept is None or kept.shape[1] <= full // 2
+
+
+def test_trace_logprobs_land_on_assistant_tokens(tok):
+    trace = _trace(n_errors=1)
+    plain = TraceCollator(tok)([trace])
+    n = int(plain["loss_mask"].sum())
+    mask = plain["loss_mask"][0]
+    # split the n assistant tokens by turn: runs of the mask
+    runs, count = [], 0
+    for on in mask.tolist() + [False]:
+        if on:
+            count += 1
+        elif count:
+            runs.append(count)
+            count = 0
+    turns = [t.model_dump(exclude_none=True) for t in trace.turns]
+    values = iter(torch.linspace(-3, -0.1, n).tolist())
+    assistant = [t for t in turns if t["role"] == "assistant"]
+    for turn, size in zip(assistant, runs):
+        turn["logprobs"] = [next(values) for _ in range(size)]
+    batch = TraceCollator(tok)([{**trace.model_dump(exclude_none=True), "turns": turns}])
+    got = batch["inference_logprobs"][0]
+    assert torch.allclose(got[mask], torch.linspace(-3, -0.1, n)) and (got[~mask] == 0).all()
+    assistant[0]["logprobs"] = assistant[0]["logprobs"][:-1]
+    with pytest.raises(ValueError, match="logprobs"):
+        TraceCollator(tok)([{**trace.model_dump(exclude_none=True), "turns": turns}])
+
+
+def test_a_template_that_rewrites_content_falls_back_to_exact_rendering(tok):
+    """A template that strips content defeats the fast span search; the exact path takes over."""
+    stripping = build_tokenizer(512)
+    stripping.chat_template = stripping.chat_template.replace("message['content'] }}", "message['content'] | trim }}")
+    trace = TraceExample(trace_id="x", source="t", turns=[
+        {"role": "user", "content": "  hi  "}, {"role": "assistant", "content": "  padded reply  "}])  # fmt: skip
+    collator = TraceCollator(stripping)
+    text = collator.render([to_message(t) for t in trace.turns])
+    assert collator.assistant_spans([to_message(t) for t in trace.turns], text) is None
+    batch = collator([trace])
+    assert tok.decode(batch["input_ids"][0][batch["loss_mask"][0]], skip_special_tokens=True) == "padded reply"
+
+
+def test_tokenizer_without_template_is_refused(tok):
+    bare = build_tokenizer(300)
+    bare.chat_template = None
+    with pytest.raises(ValueError, match="chat template"):
+        TraceCollator(bare)

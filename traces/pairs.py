@@ -1,0 +1,159 @@
+"""Teacher-replay pair mining: where teachers agree on a better action than the student's.
+
+Each assistant turn of a trace is a state (the turns before it) and the student's action
+there. Teachers replay the state; when enough of them agree on one action that differs
+from the student's, that action is `chosen` and the student's is `rejected`. One pair is
+one JSON object per line (`DpoPair.to_json()`):
+
+    {"trace_id", "turn_index", "state_messages": [turn, ...],
+     "chosen": {"role": "assistant", "content", "tool_calls"?},
+     "rejected": {"role": "assistant", "content", "tool_calls"?},
+     "n_teachers_agreeing", "teachers": [name, ...], "n_teachers"}
+
+Turns are the schema's `Turn` dumped without None fields; `chosen` and `rejected` keep
+only the action (content and tool calls), none of a turn's annotations. `teachers` are
+the agreeing teachers' names, sorted; `n_teachers` counts the teachers that answered.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from meshrl.traces.schema import TraceExample, Turn
+
+Action = Turn | Mapping[str, Any]
+
+
+class ReplayState(BaseModel):
+    """One assistant turn of a trace: what the teachers replay, and what the student did."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    trace_id: str
+    turn_index: int
+    state_messages: list[dict[str, Any]]
+    student_action: Turn
+
+
+class DpoPair(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    trace_id: str
+    turn_index: int
+    state_messages: list[dict[str, Any]]
+    chosen: dict[str, Any]
+    rejected: dict[str, Any]
+    n_teachers_agreeing: int
+    teachers: list[str]
+    n_teachers: int
+
+    def to_json(self) -> str:
+        return self.model_dump_json()
+
+
+def _as_action(action: Action) -> Turn:
+    """The assistant `Turn` an action denotes.
+
+    A dict's tool-call `arguments` may be a JSON string (the OpenAI wire form): it is
+    parsed, so argument spacing never reaches the key.
+    """
+    if isinstance(action, Turn):
+        turn = action
+    else:
+        data = dict(action)
+        if data.get("tool_calls"):
+            data["tool_calls"] = [_parsed_arguments(call) for call in data["tool_calls"]]
+        turn = Turn.model_validate(data)
+    if turn.role != "assistant":
+        raise ValueError(f"an action is an assistant turn, got role {turn.role!r}")
+    return turn
+
+
+def _parsed_arguments(call: Any) -> Any:
+    if isinstance(call, Mapping) and isinstance(call.get("arguments"), str):
+        return {**call, "arguments": json.loads(call["arguments"])}
+    return call
+
+
+def _canonical(value: Any) -> Any:
+    """Integral floats become ints so 1 and 1.0 agree; bools stay bools."""
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    if isinstance(value, Mapping):
+        return {key: _canonical(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_canonical(item) for item in value]
+    return value
+
+
+def normalize_action(turn: Action) -> str:
+    """A key equal for actions that differ only in formatting.
+
+    Text: whitespace runs collapse to one space and the ends are stripped; case is kept.
+    Tool calls: name and arguments in call order; argument keys sorted, integral floats
+    as ints, call ids dropped. Whitespace inside argument values is data and is kept.
+    """
+    action = _as_action(turn)
+    calls = [[call.name, _canonical(call.arguments)] for call in action.tool_calls or []]
+    key = {"content": " ".join(action.content.split()), "tool_calls": calls}
+    return json.dumps(key, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def _action_dict(turn: Turn) -> dict[str, Any]:
+    action = Turn(role="assistant", content=turn.content, tool_calls=turn.tool_calls)
+    return action.model_dump(exclude_none=True)
+
+
+def trace_states(example: TraceExample) -> list[ReplayState]:
+    """One state per assistant turn, its messages being every turn before it."""
+    return [
+        ReplayState(
+            trace_id=example.trace_id,
+            turn_index=index,
+            state_messages=[t.model_dump(exclude_none=True) for t in example.turns[:index]],
+            student_action=turn,
+        )
+        for index, turn in enumerate(example.turns)
+        if turn.role == "assistant"
+    ]
+
+
+def mine_pairs(
+    state: ReplayState, teacher_actions: Mapping[str, Action | None], min_agree: int
+) -> DpoPair | None:
+    """The pair at this state when at least `min_agree` teachers agree on another action.
+
+    Teachers that failed (None) are left out. The largest group of equal actions is the
+    consensus; a tie for largest gives no pair, since no action is the teachers' answer.
+    `chosen` is the first agreeing teacher's action (in mapping order).
+    """
+    if min_agree < 1:
+        raise ValueError(f"min_agree must be at least 1, got {min_agree}")
+    groups: dict[str, list[tuple[str, Turn]]] = {}
+    for name, action in teacher_actions.items():
+        if action is not None:
+            turn = _as_action(action)
+            groups.setdefault(normalize_action(turn), []).append((name, turn))
+    if not groups:
+        return None
+    sizes = sorted((len(members) for members in groups.values()), reverse=True)
+    if len(sizes) > 1 and sizes[0] == sizes[1]:
+        return None
+    key, members = max(groups.items(), key=lambda item: len(item[1]))
+    if len(members) < min_agree or key == normalize_action(state.student_action):
+        return None
+    return DpoPair(
+        trace_id=state.trace_id,
+        turn_index=state.turn_index,
+        state_messages=state.state_messages,
+        chosen=_action_dict(members[0][1]),
+        rejected=_action_dict(state.student_action),
+        n_teachers_agreeing=len(members),
+        teachers=sorted(name for name, _ in members),
+        n_teachers=sum(len(m) for m in groups.values()),
+    )
