@@ -22,3 +22,4 @@ test: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/chunked_logprobs.py
+	$(BIN)/python benchmarks/collator_throughput.py

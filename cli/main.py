@@ -12,6 +12,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from meshrl.configs import ConfigError, RunConfig, load_config, to_toml
+from meshrl.traces.claude_code import TraceFormatError, ingest_claude_code
 
 CONFIG_FORMS = """config sources, applied left to right:
   @ FILE.toml           a TOML preset (repeatable; deep-merged)
@@ -19,6 +20,7 @@ CONFIG_FORMS = """config sources, applied left to right:
                         lists and dicts as JSON; a bare --flag means true)"""
 
 EXIT_CONFIG = 2
+EXIT_TRACES = 1
 
 
 def _sources_parser(sub: argparse._SubParsersAction, name: str, help_text: str) -> argparse.ArgumentParser:
@@ -95,6 +97,43 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+INGESTERS = {"claude-code": ingest_claude_code}
+
+
+def _write_atomically(out: Path, lines: typing.Iterable[str]) -> None:
+    """Write OUT.tmp, then rename it over OUT: a reader never sees a half-written file."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    try:
+        with tmp.open("w", encoding="utf-8") as f:
+            f.writelines(line + "\n" for line in lines)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _cmd_traces_ingest(args: argparse.Namespace) -> int:
+    """Ingest every session before writing anything, so a bad line leaves no OUT behind."""
+    out = Path(args.out)
+    try:
+        result = INGESTERS[args.format](args.sources, on_bad_line=args.on_bad_line)
+        _write_atomically(out, (example.to_json() for example in result.examples))
+    except (TraceFormatError, OSError) as exc:
+        print(f"meshrl: {exc}", file=sys.stderr)
+        return EXIT_TRACES
+    turns = [turn for example in result.examples for turn in example.turns]
+    print(
+        f"files: {len(result.files)}, examples: {len(result.examples)}, turns: {len(turns)}, "
+        f"error sites: {sum(turn.tool_error is not None for turn in turns)}, "
+        f"skipped lines: {sum(result.skipped_lines.values())}, sessions without turns: {len(result.empty)}"
+    )
+    for path, skipped in result.skipped_lines.items():
+        if skipped:
+            print(f"  skipped lines in {path}: {skipped}")
+    print(f"written to {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="meshrl", description="RL post-training for agentic LLMs on Monarch actor meshes."
@@ -110,6 +149,25 @@ def build_parser() -> argparse.ArgumentParser:
     show.set_defaults(func=_cmd_config_show)
     keys = config_sub.add_parser("keys", help="list every config key with its type, default and meaning")
     keys.set_defaults(func=_cmd_config_keys)
+
+    traces_help = "turn agent sessions into trace examples"
+    traces = sub.add_parser("traces", help=traces_help, description=traces_help)
+    traces_sub = traces.add_subparsers(dest="traces_command", required=True, metavar="ACTION")
+    ingest = traces_sub.add_parser(
+        "ingest",
+        help="read session files into a trace-example JSONL file",
+        description="read session files into a trace-example JSONL file (one TraceExample per session)",
+    )
+    ingest.add_argument("sources", nargs="+", metavar="SRC", help="session files, or folders (all *.jsonl under them)")
+    ingest.add_argument("--format", required=True, choices=sorted(INGESTERS), help="session format")
+    ingest.add_argument("--out", required=True, metavar="OUT.jsonl", help="where to write the examples")
+    ingest.add_argument(
+        "--on-bad-line",
+        choices=["error", "skip"],
+        default="error",
+        help="a malformed line stops with an error naming file and line (default), or is skipped and counted",
+    )
+    ingest.set_defaults(func=_cmd_traces_ingest)
     return parser
 
 

@@ -76,11 +76,14 @@ class TraceCollator:
     ) -> None:
         if tokenizer.chat_template is None:
             raise ValueError("the tokenizer has no chat template; TraceCollator needs one")
+        if not getattr(tokenizer, "is_fast", False):
+            raise ValueError("TraceCollator needs a fast (Rust-backed) tokenizer for character offsets")
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer has no pad token; set tokenizer.pad_token first")
         if pack_tokens is not None and max_seq_len is not None and max_seq_len > pack_tokens:
             raise ValueError(f"max_seq_len {max_seq_len} exceeds pack_tokens {pack_tokens}")
         self.tokenizer = tokenizer
+        self._backend = tokenizer.backend_tokenizer
         self.hint_generator = hint_generator
         self.max_seq_len = max_seq_len if max_seq_len is not None else pack_tokens
         self.pack_tokens = pack_tokens
@@ -146,18 +149,31 @@ class TraceCollator:
         return self.assistant_spans(messages, text) or self.exact_assistant_spans(messages, text)
 
     def _encode_all(self, texts: list[str], spans: list[list[tuple[int, int]]]) -> list[Encoded]:
-        """Tokenize all texts in one batched call; mark tokens whose characters start inside a span."""
+        """Tokenize all texts in one batched call; a token is masked when its first character is in a span."""
         if not texts:
             return []
-        batch = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
         out = []
-        for ids, offsets, text_spans in zip(batch["input_ids"], batch["offset_mapping"], spans):
-            starts = np.fromiter((o[0] for o in offsets), dtype=np.int64, count=len(offsets))
-            mask = np.zeros(len(ids), dtype=bool)
+        for encoding, text, text_spans in zip(self._backend.encode_batch(texts, add_special_tokens=False), texts, spans):
+            ids = np.asarray(encoding.ids, dtype=np.int64)
+            mask = np.zeros(ids.size, dtype=bool)
             for lo, hi in text_spans:
-                mask[np.searchsorted(starts, lo, "left") : np.searchsorted(starts, hi, "left")] = True
-            out.append(Encoded(np.asarray(ids, dtype=np.int64), mask))
+                mask[self._first_token_from(encoding, lo, len(text)) : self._first_token_from(encoding, hi, len(text))] = True
+            out.append(Encoded(ids, mask))
         return out
+
+    @staticmethod
+    def _first_token_from(encoding: Any, char: int, n_chars: int) -> int:
+        """Index of the first token starting at or after `char` (the token count past the end)."""
+        if char >= n_chars:
+            return len(encoding.ids)
+        token = encoding.char_to_token(char)
+        while token is None:  # a character no token covers (normalised away): look further
+            char += 1
+            if char >= n_chars:
+                return len(encoding.ids)
+            token = encoding.char_to_token(char)
+        starts_here = char == 0 or encoding.char_to_token(char - 1) != token
+        return token if starts_here else token + 1
 
     # ------------------------------------------------------------------ channels
 
