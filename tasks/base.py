@@ -1,0 +1,67 @@
+"""The task protocol: what a training run needs from an environment.
+
+A task hands out prompts (the opening messages of an episode), answers the assistant's
+tool calls turn by turn, and scores a finished episode with a reward in [0, 1]. Tasks are
+plugged in by import path (`--task.import_path pkg.mod:Factory`, kwargs from
+`task.kwargs`); the factory is called as `Factory(**kwargs)` in every process that needs it.
+
+Messages are OpenAI-style chat dicts (`role`, `content`, `tool_calls` with
+`{"id", "type": "function", "function": {"name", "arguments": dict}}`, tool turns with
+`tool_call_id`), the form chat templates render.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from meshrl.traces.schema import TraceExample
+
+
+@dataclass
+class Prompt:
+    """One episode's opening: its messages and whatever the verifier needs to score it."""
+
+    prompt_id: str
+    messages: list[dict[str, Any]]
+    answer: Any = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ToolResult:
+    """A tool turn's text, and whether the tool failed (an SDPO error site follows a failure)."""
+
+    content: str
+    is_error: bool = False
+
+
+@runtime_checkable
+class Task(Protocol):
+    max_turns: int
+
+    def sample_prompts(self, rng: random.Random, n: int) -> list[Prompt]:
+        """n prompts drawn with `rng` (the run's data order is the rng's state)."""
+
+    def call_tool(self, prompt: Prompt, name: str, arguments: dict[str, Any]) -> ToolResult:
+        """Run one tool call of the assistant; unknown tools and bad arguments are errors, not exceptions."""
+
+    def reward(self, prompt: Prompt, messages: list[dict[str, Any]]) -> float:
+        """Score a finished episode (the full conversation) in [0, 1]."""
+
+
+@runtime_checkable
+class Demonstrating(Protocol):
+    """Tasks that can show a correct episode (for warm start) and answer as an oracle teacher."""
+
+    def demonstrations(self, rng: random.Random, n: int) -> list[TraceExample]: ...
+
+    def oracle_action(self, prompt: Prompt, messages: list[dict[str, Any]]) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class Hinting(Protocol):
+    """Tasks that can hint at a tool error's fix (the SDPO teacher's privileged context)."""
+
+    def hint(self, error_kind: str, error_meta: dict[str, Any]) -> str | None: ...
