@@ -83,17 +83,23 @@ def _cmd_config_keys(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     config = load_config(args.sources)
-    out = Path(config.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "config.toml.tmp"
-    tmp.write_text(to_toml(config))
-    os.replace(tmp, out / "config.toml")
-    print(f"resolved config written to {out / 'config.toml'}")
-    print(
-        f"loss: {config.loss.type} (replay weight {config.loss.replay.weight}, sdpo weight {config.loss.sdpo.weight}); "
-        f"{config.max_steps} steps, seed {config.seed}"
-    )
-    print("the actor platform that runs training lands with issue #4; nothing was trained")
+    from meshrl.actors.controller import train  # torch and Monarch load only when training
+
+    run = train(config)
+    print(f"run finished: {run}")
+    return 0
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from meshrl.actors.run_dir import plot
+
+    try:
+        paths = plot(args.run_dir)
+    except ValueError as exc:
+        print(f"meshrl: {exc}", file=sys.stderr)
+        return 1
+    for path in paths:
+        print(path)
     return 0
 
 
@@ -142,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = _sources_parser(sub, "train", "train a policy with the resolved run config")
     train.set_defaults(func=_cmd_train)
+
+    plot = sub.add_parser("plot", help="draw reward, loss and throughput curves of a run into DIR/plots")
+    plot.add_argument("run_dir", metavar="DIR", help="a run's output directory (holds metrics.jsonl)")
+    plot.set_defaults(func=_cmd_plot)
 
     config = sub.add_parser("config", help="inspect run configs", description="inspect run configs")
     config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")

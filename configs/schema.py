@@ -115,7 +115,8 @@ class TrainerConfig(Section):
     lr_schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="Decay after warm-up.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     micro_batch_tokens: int = Field(4096, ge=16, description="Token budget of one packed micro-batch per rank.")
-    parallelism: Literal["ddp", "fsdp2"] = Field("ddp", description="Data-parallel wrapper inside the trainer mesh.")
+    warm_start_steps: int = Field(0, ge=0, description="SFT steps on the task's demonstrations before RL (0 = none).")
+    warm_start_batch_size: int = Field(16, ge=1, description="Demonstrations per warm-start step.")
 
 
 # --------------------------------------------------------------------------- loss
@@ -134,6 +135,7 @@ class SdpoChannel(Section):
     jsd_beta: float = Field(0.5, ge=0, le=1, description="Generalized-JSD β (0: KL(teacher‖student), 1: KL(student‖teacher)).")
     temperature: float = Field(1.0, gt=0, description="Temperature dividing student and teacher logits.")
     token_clip: float | None = Field(None, gt=0, description="Upper clip of each token's JSD (None = no clip).")
+    max_traces_per_step: int = Field(16, ge=1, description="Rollouts with error sites collated into SDPO rows per step.")
 
 
 class LossBase(Section):
@@ -208,6 +210,7 @@ class TeachersConfig(Section):
     members: list[TeacherSpec] = Field(default_factory=list, description="Teachers replaying trace states.")
     min_agree: int = Field(2, ge=1, description="k: teachers that must agree on an action to mine a pair.")
     usd_ceiling: float = Field(10.0, ge=0, description="Stop calling paid endpoints past this spend.")
+    states_per_step: int = Field(8, ge=1, description="Trace states sent to the teachers per step.")
 
 
 # --------------------------------------------------------------------------- task, ckpt, metrics

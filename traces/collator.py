@@ -56,6 +56,48 @@ class Encoded:
     logprobs: np.ndarray | None = None
 
 
+def pack_rows(rows: list[Encoded], values: Sequence[float], pack_tokens: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """First-fit-decreasing into rows of ≤ pack_tokens; position ids restart at each sample.
+
+    `values` are per-sample advantages, broadcast over each sample's tokens; `sample_index`
+    maps every token to its sample (−1 on padding)."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(rows)), key=lambda i: -rows[i].ids.size):
+        size = rows[i].ids.size
+        slot = next((b for b, free in enumerate(room) if free >= size), None)
+        if slot is None:
+            bins.append([i])
+            room.append(pack_tokens - size)
+        else:
+            bins[slot].append(i)
+            room[slot] -= size
+    width = max(pack_tokens - free for free in room)
+    out = {
+        "input_ids": torch.full((len(bins), width), pad_id, dtype=torch.long),
+        "position_ids": torch.zeros(len(bins), width, dtype=torch.long),
+        "loss_mask": torch.zeros(len(bins), width, dtype=torch.bool),
+        "advantages": torch.zeros(len(bins), width),
+        "inference_logprobs": torch.zeros(len(bins), width),
+        "sample_index": torch.full((len(bins), width), -1, dtype=torch.long),
+    }
+    for b, members in enumerate(bins):
+        col = 0
+        for i in members:
+            r, n = rows[i], rows[i].ids.size
+            cols = slice(col, col + n)
+            out["input_ids"][b, cols] = torch.from_numpy(r.ids)
+            out["position_ids"][b, cols] = torch.arange(n)
+            out["loss_mask"][b, cols] = torch.from_numpy(r.mask)
+            out["advantages"][b, cols] = values[i]
+            out["sample_index"][b, cols] = i
+            if r.logprobs is not None:
+                out["inference_logprobs"][b, cols] = torch.from_numpy(r.logprobs)
+            col += n
+        out["position_ids"][b, col:] = torch.arange(width - col)  # padding: its own, loss-free sample
+    return out
+
+
 class TraceCollator:
     """Collate trace examples into RL/SFT, SDPO and replay-DPO tensors.
 
@@ -288,60 +330,24 @@ class TraceCollator:
                 logprobs[i, cols] = torch.from_numpy(r.logprobs)
         return {"input_ids": ids, "attention_mask": attention, "mask": mask, "logprobs": logprobs}
 
-    def _pack(self, rows: list[Encoded], values: list[float]) -> dict[str, torch.Tensor]:
-        """First-fit-decreasing into rows of ≤ pack_tokens; position ids restart at each sample."""
-        bins: list[list[int]] = []
-        room: list[int] = []
-        for i in sorted(range(len(rows)), key=lambda i: -rows[i].ids.size):
-            size = rows[i].ids.size
-            slot = next((b for b, free in enumerate(room) if free >= size), None)
-            if slot is None:
-                bins.append([i])
-                room.append(self.pack_tokens - size)
-            else:
-                bins[slot].append(i)
-                room[slot] -= size
-        width = max(self.pack_tokens - free for free in room)
-        out = {
-            "input_ids": torch.full((len(bins), width), self.tokenizer.pad_token_id, dtype=torch.long),
-            "position_ids": torch.zeros(len(bins), width, dtype=torch.long),
-            "loss_mask": torch.zeros(len(bins), width, dtype=torch.bool),
-            "advantages": torch.zeros(len(bins), width),
-            "inference_logprobs": torch.zeros(len(bins), width),
-            "sample_index": torch.full((len(bins), width), -1, dtype=torch.long),
-        }
-        for b, members in enumerate(bins):
-            col = 0
-            for i in members:
-                r, n = rows[i], rows[i].ids.size
-                cols = slice(col, col + n)
-                out["input_ids"][b, cols] = torch.from_numpy(r.ids)
-                out["position_ids"][b, cols] = torch.arange(n)
-                out["loss_mask"][b, cols] = torch.from_numpy(r.mask)
-                out["advantages"][b, cols] = values[i]
-                out["sample_index"][b, cols] = i
-                if r.logprobs is not None:
-                    out["inference_logprobs"][b, cols] = torch.from_numpy(r.logprobs)
-                col += n
-            out["position_ids"][b, col:] = torch.arange(width - col)  # padding: its own, loss-free sample
-        return out
-
     def __call__(
         self,
         examples: Sequence[TraceExample | Mapping[str, Any]],
         pairs: Iterable[Any] = (),
         advantages: Sequence[float] | None = None,
+        rl: bool = True,
     ) -> dict[str, Any]:
         """Collate. `pairs` are mined DPO pairs (DpoPair or dicts with state_messages/chosen/rejected);
-        `advantages` (one per example) default to reward minus the batch's mean reward."""
+        `advantages` (one per example) default to reward minus the batch's mean reward; `rl=False`
+        builds only the SDPO and DPO rows (for rollouts whose RL rows come from their own tokens)."""
         examples = [ex if isinstance(ex, TraceExample) else TraceExample.model_validate(ex) for ex in examples]
         stats = {"truncated": 0, "sdpo_dropped": 0, "dpo_dropped": 0}
         batch: dict[str, Any] = {}
-        if examples:
+        if examples and rl:
             rows, rewards, advs = self._rl(examples, advantages, stats)
             has_logprobs = all(r.logprobs is not None for r in rows)
             if self.pack_tokens is not None:
-                packed = self._pack(rows, advs)
+                packed = pack_rows(rows, advs, self.pack_tokens, self.tokenizer.pad_token_id)
                 if not has_logprobs:
                     del packed["inference_logprobs"]
                 batch.update(packed)

@@ -57,27 +57,12 @@ class DpoPair(BaseModel):
 
 
 def _as_action(action: Action) -> Turn:
-    """The assistant `Turn` an action denotes.
-
-    A dict's tool-call `arguments` may be a JSON string (the OpenAI wire form): it is
-    parsed, so argument spacing never reaches the key.
-    """
-    if isinstance(action, Turn):
-        turn = action
-    else:
-        data = dict(action)
-        if data.get("tool_calls"):
-            data["tool_calls"] = [_parsed_arguments(call) for call in data["tool_calls"]]
-        turn = Turn.model_validate(data)
+    """The assistant `Turn` an action denotes (tool-call arguments may be a JSON string, the
+    OpenAI wire form: parsed, so argument spacing never reaches the key)."""
+    turn = Turn.from_message(action)
     if turn.role != "assistant":
         raise ValueError(f"an action is an assistant turn, got role {turn.role!r}")
     return turn
-
-
-def _parsed_arguments(call: Any) -> Any:
-    if isinstance(call, Mapping) and isinstance(call.get("arguments"), str):
-        return {**call, "arguments": json.loads(call["arguments"])}
-    return call
 
 
 def _canonical(value: Any) -> Any:

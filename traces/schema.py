@@ -11,6 +11,7 @@ and an excerpt of the error): these are the SDPO error sites.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -42,6 +43,24 @@ class Turn(_Strict):
     logprobs: list[float] | None = Field(
         None, description="Assistant turns sampled by the policy: the sampler's logprob of each token of the turn."
     )
+
+
+    @classmethod
+    def from_message(cls, message: Any) -> Turn:
+        """A turn from a chat message: flat tool calls or OpenAI's `{"function": {...}}` form,
+        arguments as a dict or a JSON string. Bookkeeping keys beyond the schema's are dropped."""
+        if isinstance(message, Turn):
+            return message
+        data = {k: message[k] for k in cls.model_fields if k in message and message[k] is not None}
+        calls = []
+        for call in data.get("tool_calls") or []:
+            body = call.get("function", call)
+            arguments = body.get("arguments", {})
+            calls.append({"id": call.get("id", ""), "name": body.get("name", ""),
+                          "arguments": json.loads(arguments) if isinstance(arguments, str) else arguments})  # fmt: skip
+        if calls:
+            data["tool_calls"] = calls
+        return cls.model_validate(data)
 
 
 class TraceExample(_Strict):

@@ -1,0 +1,78 @@
+"""From scored rollouts (and mined pairs) to each trainer rank's micro-batches.
+
+RL rows come straight from the rollouts' token ids (what the policy sampled), packed
+first-fit-decreasing into [1, micro_batch_tokens] micro-batches and dealt round-robin to
+the ranks. SDPO rows (error sites of the rollouts, hint from the task) and replay-DPO rows
+go through the TraceCollator into one auxiliary batch per rank.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Sequence
+
+import numpy as np
+
+from meshrl.actors.rollout import Rollout
+from meshrl.traces.collator import Encoded, TraceCollator, pack_rows
+from meshrl.traces.errors import ErrorClassifier, mark_error_sites
+from meshrl.traces.schema import TraceExample, Turn
+
+
+def group_advantages(rollouts: Sequence[Rollout]) -> list[float]:
+    """Reward minus the mean reward of the rollouts of the same prompt."""
+    groups: dict[str, list[float]] = defaultdict(list)
+    for r in rollouts:
+        groups[r.prompt.prompt_id].append(r.reward)
+    means = {k: sum(v) / len(v) for k, v in groups.items()}
+    return [r.reward - means[r.prompt.prompt_id] for r in rollouts]
+
+
+def rl_shards(
+    rollouts: Sequence[Rollout], advantages: Sequence[float], micro_batch_tokens: int, pad_id: int, world: int
+) -> tuple[list[list[dict[str, Any]]], int, int]:
+    """Per-rank lists of packed micro-batches, the step's loss-mask token count, and truncations.
+
+    Zero-advantage rollouts carry no policy gradient and are left out (PRIME-RL does the same).
+    A rollout longer than the micro-batch keeps its first `micro_batch_tokens` tokens.
+    """
+    rows, values, truncated = [], [], 0
+    for r, a in zip(rollouts, advantages):
+        if a == 0:
+            continue
+        ids, mask, lp = (np.asarray(x) for x in (r.token_ids, r.loss_mask, r.logprobs))
+        if ids.size > micro_batch_tokens:
+            ids, mask, lp, truncated = ids[:micro_batch_tokens], mask[:micro_batch_tokens], lp[:micro_batch_tokens], truncated + 1
+        rows.append(Encoded(ids.astype(np.int64), mask.astype(bool), lp.astype(np.float32)))
+        values.append(a)
+    shards: list[list[dict[str, Any]]] = [[] for _ in range(world)]
+    if not rows:
+        return shards, 0, truncated
+    packed = pack_rows(rows, values, micro_batch_tokens, pad_id)
+    for i in range(packed["input_ids"].shape[0]):
+        shards[i % world].append({k: v[i : i + 1] for k, v in packed.items() if k != "sample_index"})
+    return shards, int(sum(int(r.mask.sum()) for r in rows)), truncated
+
+
+def rollout_trace(rollout: Rollout, classifier: ErrorClassifier) -> TraceExample:
+    """A rollout as a trace example, its error sites marked as ingestion marks them."""
+    turns = [Turn.from_message(m) for m in rollout.messages]
+    mark_error_sites(turns, classifier)
+    return TraceExample(trace_id=rollout.prompt.prompt_id, source="rollout", turns=turns, final_reward=rollout.reward)
+
+
+def aux_shards(
+    rollouts: Sequence[Rollout], pairs: Sequence[Any], collator: TraceCollator, world: int, max_sdpo_rows: int
+) -> tuple[list[dict[str, Any] | None], dict[str, int]]:
+    """Per-rank replay/SDPO batches (None where a rank gets nothing) and the collator's counters."""
+    classifier = ErrorClassifier()
+    traces = [rollout_trace(r, classifier) for r in rollouts if r.tool_errors]
+    traces = [t for t in traces if any(turn.tool_error for turn in t.turns)][:max_sdpo_rows]
+    out: list[dict[str, Any] | None] = []
+    stats: dict[str, int] = defaultdict(int)
+    for rank in range(world):
+        batch = collator(traces[rank::world], pairs=pairs[rank::world], rl=False)
+        for k, v in batch.pop("stats").items():
+            stats[k] += v
+        out.append(batch or None)
+    return out, dict(stats)

@@ -1,0 +1,40 @@
+"""What an inference engine returns for one prompt, whichever backend produced it.
+
+The HF and vLLM engines share this type and the sampling-argument checks, so the
+generator actor and the loss see the same contract from either backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass
+class Completion:
+    """One sampled completion.
+
+    `logprobs[i]` is the log-probability of `completion_ids[i]` under the distribution it
+    was drawn from (after temperature and top-p; greedy reports temperature-1 logprobs).
+    A stop/eos token that ended the completion is its last element.
+    """
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+
+
+def check_sampling(prompts: list[list[int]], temperature: float, top_p: float, max_new_tokens: int) -> None:
+    """Refuse arguments both backends would otherwise treat differently (or silently clamp)."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    for i, prompt in enumerate(prompts):
+        if not prompt:
+            raise ValueError(f"prompt {i} is empty: generation needs at least one token to condition on")

@@ -1,0 +1,284 @@
+"""The run controller (the `meshrl train` process): spawns the meshes and drives the steps.
+
+Per step: take the rollouts generated for it (at most `max_async_level` policy versions
+stale; older than `max_off_policy_steps` are dropped), compute group-normalised
+advantages, shard packed micro-batches and the replay/SDPO batch to the trainer ranks,
+step, push the new weights to the generators, hand this step's imperfect states to the
+teachers and mine last step's answers into DPO pairs, log, and checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from monarch.actor import this_host
+from monarch.spmd import setup_torch_elastic_env
+from transformers import AutoTokenizer
+
+from meshrl.actors.batches import aux_shards, group_advantages, rl_shards, rollout_trace
+from meshrl.actors.generator import GeneratorActor, make_task
+from meshrl.actors.progress import Progress
+from meshrl.actors.rollout import Rollout
+from meshrl.actors.run_dir import RunDir, plot, write_atomic
+from meshrl.actors.teachers import TeacherActor
+from meshrl.actors.trainer import TrainerActor
+from meshrl.configs.loader import to_toml
+from meshrl.configs.schema import RunConfig
+from meshrl.models.tiny import ensure_tiny
+from meshrl.traces.collator import TraceCollator
+from meshrl.traces.errors import ErrorClassifier
+from meshrl.traces.pairs import DpoPair, mine_pairs, trace_states
+from meshrl.traces.schema import TraceExample
+
+
+def resolve_model(config: RunConfig, run: RunDir) -> str:
+    """`tiny` is built and saved under the run directory on first use; anything else is a path or hub id."""
+    if config.model.path == "tiny":
+        return str(ensure_tiny(run.root / "tiny_model", config.model.tiny, seed=config.seed))
+    return config.model.path
+
+
+class Controller:
+    def __init__(self, config: RunConfig) -> None:
+        self.config = config
+        self.run = RunDir(config.output_dir)
+        self.model_path = resolve_model(config, self.run)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.task = make_task(config)
+        hint = getattr(self.task, "hint", None)
+        self.collator = TraceCollator(self.tokenizer, hint_generator=hint if config.loss.sdpo.weight > 0 else None)
+        self.data_rng = random.Random(config.seed)
+        self.seed_rng = random.Random(config.seed + 1)
+        self.step = 0
+        self.pairs: list[DpoPair] = []
+        self.dropped_stale = 0
+        self.pending_teacher: Any = None
+        self.offline_states = self._offline_states()
+
+    # ------------------------------------------------------------------ meshes
+
+    def spawn(self) -> None:
+        topo = self.config.topology
+        host = this_host()
+        self.gen_procs = host.spawn_procs(per_host={"procs": topo.generator.procs})
+        self.generators = self.gen_procs.spawn("generator", GeneratorActor, self.config, self.model_path)
+        self.trainer_procs = host.spawn_procs(per_host={"procs": topo.trainer.procs})
+        setup_torch_elastic_env(self.trainer_procs)
+        self.trainers = self.trainer_procs.spawn("trainer", TrainerActor, self.config, self.model_path)
+        actors = list(self.trainers.setup.call().get().values()) + list(self.generators.info.call().get().values())
+        self.teachers = None
+        if self.config.teachers.members:
+            self.teacher_procs = host.spawn_procs(per_host={"procs": 1})
+            cache = str(self.run.root / "teacher_cache.jsonl")
+            self.teachers = self.teacher_procs.spawn("teacher", TeacherActor, self.config, self.model_path, cache)
+            actors += list(self.teachers.info.call().get().values())
+        self.run.write_topology(actors)
+
+    def shutdown(self) -> None:
+        for name in ("gen_procs", "trainer_procs", "teacher_procs"):
+            procs = getattr(self, name, None)
+            if procs is not None:
+                procs.stop().get()
+
+    # ------------------------------------------------------------------ data
+
+    def _offline_states(self) -> list[Any]:
+        """States of the ingested traces named in task.traces, for teacher replay."""
+        states = []
+        for path in self.config.task.traces:
+            for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+                if line.strip():
+                    try:
+                        states += trace_states(TraceExample.model_validate_json(line))
+                    except ValueError as exc:
+                        raise ValueError(f"task.traces: {path}:{n}: not a trace example: {exc}") from None
+        return states
+
+    def _request(self, step: int) -> tuple[int, list[Any]]:
+        """Ask every generator for its share of this step's prompts (returns futures)."""
+        prompts = self.task.sample_prompts(self.data_rng, self.config.task.prompts_per_step)
+        n = self.config.topology.generator.procs
+        futures = [
+            self.generators.slice(procs=i).rollout.call_one(prompts[i::n], self.seed_rng.randrange(2**31))
+            for i in range(n)
+            if prompts[i::n]
+        ]
+        return step, futures
+
+    def _push_weights(self, version: int) -> float:
+        start = time.perf_counter()
+        weights = self.trainers.slice(procs=0).policy_weights.call_one().get()
+        self.generators.load_weights.call(weights, version).get()
+        return time.perf_counter() - start
+
+    def _teacher_round(self, rollouts: list[Rollout]) -> dict[str, float]:
+        """Collect last step's teacher answers as pairs; send this step's imperfect states."""
+        stats: dict[str, float] = {}
+        if self.teachers is None:
+            return stats
+        if self.pending_teacher is not None:
+            future, states = self.pending_teacher
+            answers, stats = future.get()
+            for state, actions in zip(states, answers):
+                pair = mine_pairs(state, actions, self.config.teachers.min_agree)
+                if pair is not None:
+                    self.pairs.append(pair)
+        classifier = ErrorClassifier()
+        budget = self.config.teachers.states_per_step
+        states, contexts = [], []
+        for r in sorted(rollouts, key=lambda r: r.reward)[:budget]:
+            if r.reward < 1.0:
+                for state in trace_states(rollout_trace(r, classifier)):
+                    states.append(state)
+                    contexts.append({"prompt": r.prompt})
+        for state in self.data_rng.sample(self.offline_states, min(len(self.offline_states), budget // 2)):
+            states.append(state)
+            contexts.append({})
+        states, contexts = states[:budget], contexts[:budget]
+        future = self.teachers.slice(procs=0).replay.call_one([s.state_messages for s in states], contexts)
+        self.pending_teacher = (future, states)
+        return {f"teacher/{k}": float(v) for k, v in stats.items()}
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self) -> None:
+        staging = self.run.staging(self.step)
+        self.trainers.save_checkpoint.call(str(staging)).get()
+        state = {
+            "step": self.step,
+            "data_rng": _rng_state(self.data_rng),
+            "seed_rng": _rng_state(self.seed_rng),
+            "pairs": [p.model_dump() for p in self.pairs],
+            "dropped_stale": self.dropped_stale,
+            "teacher_cache": str(self.run.root / "teacher_cache.jsonl"),
+        }
+        self.run.commit_checkpoint(staging, self.step, state, self.config.ckpt.keep_last)
+
+    def resume(self) -> bool:
+        latest = self.run.latest_checkpoint()
+        if latest is None:
+            return False
+        state = json.loads((latest / "controller.json").read_text())
+        self.trainers.load_checkpoint.call(str(latest)).get()
+        self.step = state["step"]
+        self.data_rng.setstate(_rng_from(state["data_rng"]))
+        self.seed_rng.setstate(_rng_from(state["seed_rng"]))
+        self.pairs = [DpoPair.model_validate(p) for p in state["pairs"]]
+        self.dropped_stale = state["dropped_stale"]
+        self.run.keep_metrics_before(self.step)
+        self._push_weights(self.step)
+        return True
+
+    # ------------------------------------------------------------------ the loop
+
+    def warm_start(self) -> None:
+        steps = self.config.trainer.warm_start_steps
+        if steps == 0 or self.step > 0:
+            return
+        demos = self.task.demonstrations(random.Random(self.config.seed + 2), steps * self.config.trainer.warm_start_batch_size)
+        world = self.config.topology.trainer.procs
+        size = self.config.trainer.warm_start_batch_size
+        for i in range(steps):
+            chunk = demos[i * size : (i + 1) * size]
+            self.trainers.sft_step.call([self.collator(chunk[r::world]) for r in range(world)]).get()
+        self._push_weights(0)
+
+    def train(self, progress: Progress) -> None:
+        cfg = self.config
+        world = cfg.topology.trainer.procs
+        level = cfg.generator.max_async_level
+        pending: deque = deque()
+        for s in range(self.step, min(self.step + max(level, 1), cfg.max_steps)):
+            pending.append(self._request(s))
+        while self.step < cfg.max_steps:
+            step_start = time.perf_counter()
+            if not pending:
+                pending.append(self._request(self.step))
+            _, futures = pending.popleft()
+            results = [f.get() for f in futures]
+            rollouts = [r for batch, _ in results for r in batch]
+            gen_seconds = max(seconds for _, seconds in results)
+            fresh = [r for r in rollouts if self.step - r.version <= cfg.generator.max_off_policy_steps]
+            self.dropped_stale += len(rollouts) - len(fresh)
+            if level > 0 and self.step + level < cfg.max_steps:
+                pending.append(self._request(self.step + level))
+
+            advantages = group_advantages(fresh)
+            shards, rl_tokens, truncated = rl_shards(
+                fresh, advantages, cfg.trainer.micro_batch_tokens, self.tokenizer.pad_token_id, world
+            )
+            aux, aux_stats = aux_shards(fresh, self.pairs, self.collator, world, cfg.loss.sdpo.max_traces_per_step)
+            replay_pairs = len(self.pairs)
+            self.pairs = []
+            train_start = time.perf_counter()
+            metrics = list(self.trainers.train_step.call(shards, aux, rl_tokens).get().values())[0]
+            train_seconds = time.perf_counter() - train_start
+            self.step += 1
+            sync_seconds = self._push_weights(self.step)
+            teacher_stats = self._teacher_round(fresh)
+            if level == 0 and self.step < cfg.max_steps:
+                pending.append(self._request(self.step))
+
+            sampled = sum(sum(r.loss_mask) for r in fresh)
+            record = {
+                "step": self.step - 1,
+                "policy_version": self.step,
+                "reward/mean": sum(r.reward for r in fresh) / max(1, len(fresh)),
+                "rollouts": len(fresh),
+                "dropped_stale": self.dropped_stale,
+                "staleness": sum(self.step - 1 - r.version for r in fresh) / max(1, len(fresh)),
+                "tool_errors": sum(r.tool_errors for r in fresh),
+                "replay_pairs": replay_pairs,
+                "truncated": truncated,
+                **{k: v for k, v in metrics.items()},
+                **{f"collate/{k}": v for k, v in aux_stats.items()},
+                **teacher_stats,
+                "rollout_tokens_per_s": sampled / max(gen_seconds, 1e-9),
+                "train_tokens_per_s": rl_tokens / max(train_seconds, 1e-9),
+                "time/step": time.perf_counter() - step_start,
+                "time/generate": gen_seconds,
+                "time/train": train_seconds,
+                "time/weight_sync": sync_seconds,
+            }
+            self.run.append_metrics(record)
+            progress.update(record, cfg.max_steps)
+            if self.step % cfg.ckpt.interval == 0 or self.step == cfg.max_steps:
+                self.save()
+        for _, futures in pending:  # rollouts requested past the last step
+            for f in futures:
+                f.get()
+
+
+def _rng_state(rng: random.Random) -> list[Any]:
+    version, internal, gauss = rng.getstate()
+    return [version, list(internal), gauss]
+
+
+def _rng_from(state: list[Any]) -> tuple[Any, ...]:
+    return (state[0], tuple(state[1]), state[2])
+
+
+def train(config: RunConfig) -> Path:
+    """Run (or resume) training; returns the run directory."""
+    run = RunDir(config.output_dir)
+    write_atomic(run.root / "config.toml", to_toml(config))
+    controller = Controller(config)
+    controller.spawn()
+    try:
+        resumed = config.resume and controller.resume()
+        if not resumed:
+            if config.resume:
+                print(f"no complete checkpoint in {run.checkpoints}; starting from step 0")
+            run.keep_metrics_before(0)
+            controller.warm_start()
+        with Progress(config.metrics.progress, start=controller.step) as progress:
+            controller.train(progress)
+    finally:
+        controller.shutdown()
+    plot(run.root)
+    return run.root

@@ -1,0 +1,226 @@
+"""The trainer: one data-parallel rank's model, optimizer and step, and its Monarch actor.
+
+`TrainerCore` holds the logic (testable in one process); `TrainerActor` puts one core on
+each proc of the trainer mesh, with torch.distributed (gloo on CPU, nccl on GPU) for the
+gradient all-reduce. Data parallelism is a flat all-reduce of the gradients after the
+micro-batches' backward passes: the composer reaches into the model (trunk, LM head) for
+chunked logprobs, which a DDP wrapper's forward hooks would not see.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import random
+import socket
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from monarch.actor import Actor, current_rank, endpoint
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from meshrl.configs.schema import RunConfig
+from meshrl.loss_adapters.compose import compose_loss, rl_loss_fn
+from meshrl.loss_adapters.logprobs import sequence_token_logprobs
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def lr_lambda(config: RunConfig):
+    """Linear warm-up, then constant, cosine or linear decay to 0 at max_steps."""
+    warmup, total, kind = config.trainer.warmup_steps, config.max_steps, config.trainer.lr_schedule
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if kind == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.5 * (1 + math.cos(math.pi * progress)) if kind == "cosine" else 1.0 - progress
+
+    return factor
+
+
+def _to(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+class TrainerCore:
+    """One rank's model, frozen DPO reference, AdamW, LR schedule and NaN/Inf-guarded step."""
+
+    def __init__(self, config: RunConfig, model_path: str, device: str = "cpu") -> None:
+        self.config = config
+        self.device = torch.device(device)
+        torch.manual_seed(config.seed)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[config.model.dtype]).to(self.device)
+        self.model.train()
+        loss = config.loss
+        needs_ref = loss.replay.weight > 0 and loss.replay.variant == "dpo"
+        self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if needs_ref else None
+        self.rl_fn = rl_loss_fn(loss)
+        t = config.trainer
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
+        self.skipped_steps = 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+
+    # ------------------------------------------------------------------ steps
+
+    def _all_reduce_grads(self) -> None:
+        if self.world == 1:
+            return
+        for p in self.model.parameters():
+            if p.grad is None:  # a rank with no data this step still joins the all-reduce
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in self.model.parameters()]
+        flat = torch.cat([g.flatten() for g in grads])
+        dist.all_reduce(flat)
+        flat /= self.world
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def _apply(self) -> dict[str, float]:
+        """Average grads across ranks, clip, and step — unless any grad is NaN/Inf (then skip, count)."""
+        self._all_reduce_grads()
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.trainer.max_grad_norm)
+        finite = bool(torch.isfinite(norm))
+        if finite:
+            self.optimizer.step()
+        else:
+            self.skipped_steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return {"grad_norm": float(norm), "skipped_steps": float(self.skipped_steps), "lr": self.scheduler.get_last_lr()[0]}
+
+    def train_step(self, rl_batches: list[dict[str, Any]], aux_batch: dict[str, Any] | None, rl_tokens: int) -> dict[str, float]:
+        """One optimizer step over this rank's RL micro-batches and its replay/SDPO batch.
+
+        `rl_tokens` is the loss-mask token count of the step over all ranks: each RL
+        micro-batch is normalised by rl_tokens / world so the cross-rank mean of gradients
+        is Σ sample losses / rl_tokens, PRIME-RL's normalisation.
+        """
+        sums: dict[str, float] = {}
+        counts: dict[str, int] = {}
+        for batch in rl_batches:
+            out = compose_loss(
+                self.model, _to(batch, self.device), self.config.loss,
+                rl_fn=self.rl_fn, rl_token_count=max(1, rl_tokens) / self.world, ref_model=self.ref_model,
+                chunk_size=self.config.model.logprob_chunk_size,
+            )  # fmt: skip
+            out.loss.backward()
+            for name, value in out.metrics.items():
+                sums[name] = sums.get(name, 0.0) + float(value)
+                counts[name] = counts.get(name, 0) + 1
+        metrics = {name: sums[name] / counts[name] for name in sums}
+        if rl_batches:
+            metrics["loss/rl"] = sums.get("loss/rl", 0.0)  # micro-batch parts add up to the step's loss
+        if aux_batch is not None:
+            out = compose_loss(self.model, _to(aux_batch, self.device), self.config.loss, ref_model=self.ref_model,
+                               chunk_size=self.config.model.logprob_chunk_size)  # fmt: skip
+            out.loss.backward()
+            metrics.update({k: float(v) for k, v in out.metrics.items() if k != "loss/total"})
+        metrics["loss/total"] = (
+            metrics.get("loss/rl", 0.0)
+            + self.config.loss.replay.weight * metrics.get("loss/replay", 0.0)
+            + self.config.loss.sdpo.weight * metrics.get("loss/sdpo", 0.0)
+        )
+        metrics.update(self._apply())
+        return metrics
+
+    def sft_step(self, batch: dict[str, Any]) -> dict[str, float]:
+        """Warm start: masked NLL of the assistant tokens (the collator's loss_mask)."""
+        batch = _to(batch, self.device)
+        kwargs = {k: batch[k] for k in ("attention_mask", "position_ids") if k in batch}
+        logprobs = sequence_token_logprobs(self.model, batch["input_ids"], self.config.model.logprob_chunk_size, **kwargs)
+        mask = batch["loss_mask"].float()
+        loss = -(logprobs * mask).sum() / mask.sum().clamp_min(1)
+        loss.backward()
+        return {"loss/sft": float(loss), **self._apply()}
+
+    # ------------------------------------------------------------------ weights and checkpoints
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The policy's weights on CPU, for the generators."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
+    def save(self, directory: str | Path) -> None:
+        """Model (safetensors), optimizer, scheduler and RNG state into `directory` (rank 0 writes)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(directory / "model", safe_serialization=True)
+        torch.save(
+            {
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "skipped_steps": self.skipped_steps,
+                "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
+            },
+            directory / "trainer.pt",
+        )
+        if self.ref_model is not None:
+            save_file(self.ref_model.state_dict(), str(directory / "reference.safetensors"))
+
+    def load(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        saved = AutoModelForCausalLM.from_pretrained(directory / "model", dtype=DTYPES[self.config.model.dtype])
+        self.model.load_state_dict(saved.state_dict())
+        state = torch.load(directory / "trainer.pt", weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.skipped_steps = state["skipped_steps"]
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
+        if self.ref_model is not None and (directory / "reference.safetensors").exists():
+            self.ref_model.load_state_dict(load_file(str(directory / "reference.safetensors")))
+
+
+def process_info() -> dict[str, Any]:
+    """Where this actor runs, for topology.json."""
+    return {"host": socket.gethostname(), "pid": os.getpid()}
+
+
+class TrainerActor(Actor):
+    """One trainer rank. Every rank gets the whole step's micro-batches and takes its share."""
+
+    def __init__(self, config: RunConfig, model_path: str) -> None:
+        self.rank = current_rank().rank
+        self.config, self.model_path = config, model_path
+        self.core: TrainerCore | None = None
+
+    @endpoint
+    def setup(self) -> dict[str, Any]:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+        self.core = TrainerCore(self.config, self.model_path, device)
+        return {"role": "trainer", "rank": self.rank, **process_info()}
+
+    @endpoint
+    def train_step(self, rl_shards: list[list[dict[str, Any]]], aux_shards: list[dict[str, Any] | None], rl_tokens: int) -> dict[str, float]:
+        return self.core.train_step(rl_shards[self.rank], aux_shards[self.rank], rl_tokens)
+
+    @endpoint
+    def sft_step(self, shards: list[dict[str, Any]]) -> dict[str, float]:
+        return self.core.sft_step(shards[self.rank])
+
+    @endpoint
+    def policy_weights(self) -> dict[str, torch.Tensor]:
+        return self.core.weights()
+
+    @endpoint
+    def save_checkpoint(self, directory: str) -> None:
+        if self.rank == 0:
+            self.core.save(directory)
+
+    @endpoint
+    def load_checkpoint(self, directory: str) -> None:
+        self.core.load(directory)

@@ -1,0 +1,174 @@
+"""The built-in toy agentic task: look a key up in a small store, then answer with its value.
+
+Small enough that a tiny randomly initialised model learns it in a few hundred CPU steps, yet
+it feeds every loss channel: the reward is graded (RL), a miscopied key is a tool error whose
+message lists the keys so the next turn can recover (an SDPO error site), and the task can
+demonstrate episodes and act as an oracle teacher (SFT warm start, replay pairs).
+
+A correct episode (three assistant turns allow one failed call and its recovery):
+
+    system     Tools: lookup(key)
+    user       Value of "kb"?
+    assistant  <tool_call>{"name": "lookup", "arguments": {"key": "kb"}}</tool_call>
+    tool       42
+    assistant  42
+
+Keys are quoted in the question and in error listings as JSON quotes them in the call, so
+copying a key copies the same tokens.
+
+Reward rubric, in [0, 1]:
+    1.0  the last assistant message's content, stripped, is the value
+    otherwise the sum of
+    0.1  some call was a well-formed lookup (arguments {"key": str})
+    0.3  some lookup asked for the question's key
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+from string import ascii_lowercase
+from typing import Any
+
+from meshrl.tasks.base import Prompt, ToolResult
+from meshrl.traces.errors import ErrorClassifier, mark_error_sites
+from meshrl.traces.schema import ToolCall, TraceExample, Turn
+
+LOOKUP = "lookup"
+SYSTEM = "Tools: lookup(key)"  # short, so an episode stays under 120 tiny-tokenizer tokens
+SOURCE = "meshrl.tasks.toy"
+
+ANSWER_REWARD = 1.0
+RIGHT_KEY_REWARD = 0.3
+WELL_FORMED_REWARD = 0.1
+
+_CLASSIFIER = ErrorClassifier()
+
+
+def _quoted(keys: Iterable[str]) -> str:
+    return ", ".join(f'"{key}"' for key in keys)
+
+
+def _lookup_call(call_id: str, key: str) -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": LOOKUP, "arguments": {"key": key}}}
+
+
+def _asked_keys(messages: list[dict[str, Any]]) -> list[str]:
+    """Keys of the well-formed lookup calls in the conversation."""
+    keys = []
+    for message in messages:
+        if message.get("role") != "assistant":
+            continue
+        for call in message.get("tool_calls") or []:
+            function = call.get("function") or {}
+            arguments = function.get("arguments")
+            if function.get("name") == LOOKUP and isinstance(arguments, dict) and isinstance(arguments.get("key"), str):
+                keys.append(arguments["key"])
+    return keys
+
+
+class ToolTask:
+    """Key-value lookup with one tool; all randomness comes from the rng passed in."""
+
+    def __init__(
+        self,
+        n_keys: int = 4,
+        key_len: int = 2,
+        value_len: int = 2,
+        max_turns: int = 3,
+        recovery_rate: float = 0.3,
+    ) -> None:
+        if not 1 <= n_keys <= 25 * key_len:
+            raise ValueError(f"n_keys must be in [1, {25 * key_len}] so a misspelled key can miss the store")
+        if value_len < 1 or n_keys > 9 * 10 ** (value_len - 1):
+            raise ValueError(f"value_len {value_len} has too few distinct values for {n_keys} keys")
+        if max_turns < 2:
+            raise ValueError("max_turns must be at least 2: a lookup and an answer")
+        if not 0.0 <= recovery_rate <= 1.0 or (recovery_rate > 0 and max_turns < 3):
+            raise ValueError("recovery_rate must be in [0, 1], and recoveries need max_turns >= 3")
+        self.n_keys = n_keys
+        self.key_len = key_len
+        self.value_len = value_len
+        self.max_turns = max_turns
+        self.recovery_rate = recovery_rate
+
+    def sample_prompts(self, rng: random.Random, n: int) -> list[Prompt]:
+        return [self._prompt(rng) for _ in range(n)]
+
+    def _prompt(self, rng: random.Random) -> Prompt:
+        keys: list[str] = []
+        while len(keys) < self.n_keys:
+            key = "".join(rng.choice(ascii_lowercase) for _ in range(self.key_len))
+            if key not in keys:
+                keys.append(key)
+        values = rng.sample(range(10 ** (self.value_len - 1), 10**self.value_len), self.n_keys)
+        store = {key: str(value) for key, value in zip(keys, values)}
+        key = rng.choice(keys)
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f'Value of "{key}"?'}]
+        return Prompt(
+            prompt_id=f"toy-{rng.getrandbits(64):016x}",
+            messages=messages,
+            answer=store[key],
+            info={"store": store, "key": key},
+        )
+
+    def call_tool(self, prompt: Prompt, name: str, arguments: dict[str, Any]) -> ToolResult:
+        store = prompt.info["store"]
+        if name != LOOKUP:
+            return ToolResult(f'error: unknown tool "{name}"; tools: "{LOOKUP}"', is_error=True)
+        key = arguments.get("key") if isinstance(arguments, dict) else None
+        if not isinstance(key, str):
+            return ToolResult(f'error: lookup needs {{"key": "..."}}; keys: {_quoted(store)}', is_error=True)
+        if key not in store:
+            return ToolResult(f'error: no such key "{key}"; keys: {_quoted(store)}', is_error=True)
+        return ToolResult(store[key])
+
+    def reward(self, prompt: Prompt, messages: list[dict[str, Any]]) -> float:
+        replies = [m for m in messages if m.get("role") == "assistant"]
+        if replies and (replies[-1].get("content") or "").strip() == prompt.answer:
+            return ANSWER_REWARD
+        asked = _asked_keys(replies)
+        return (WELL_FORMED_REWARD if asked else 0.0) + (RIGHT_KEY_REWARD if prompt.info["key"] in asked else 0.0)
+
+    def demonstrations(self, rng: random.Random, n: int) -> list[TraceExample]:
+        """Correct episodes; about `recovery_rate` of them first miscopy the key and recover.
+
+        They are episodes of the prompts `sample_prompts` draws from the same rng state.
+        """
+        demos = []
+        for prompt in self.sample_prompts(rng, n):
+            keys = [prompt.info["key"]]
+            if rng.random() < self.recovery_rate:
+                keys.insert(0, self._misspelled(rng, prompt))
+            turns = [Turn(role=m["role"], content=m["content"]) for m in prompt.messages]
+            for i, key in enumerate(keys):
+                call = ToolCall(id=f"call_{i}", name=LOOKUP, arguments={"key": key})
+                result = self.call_tool(prompt, call.name, call.arguments)
+                turns.append(Turn(role="assistant", tool_calls=[call]))
+                turns.append(
+                    Turn(role="tool", content=result.content, tool_call_id=call.id, is_error=result.is_error or None)
+                )
+            turns.append(Turn(role="assistant", content=prompt.answer))
+            mark_error_sites(turns, _CLASSIFIER)  # as ingestion and rollouts mark them
+            demos.append(TraceExample(trace_id=prompt.prompt_id, source=SOURCE, turns=turns, final_reward=ANSWER_REWARD))
+        return demos
+
+    @staticmethod
+    def _misspelled(rng: random.Random, prompt: Prompt) -> str:
+        """The question's key with one letter changed, missing from the store."""
+        key, store = prompt.info["key"], prompt.info["store"]
+        near = [key[:i] + c + key[i + 1 :] for i in range(len(key)) for c in ascii_lowercase if c != key[i]]
+        return rng.choice([k for k in near if k not in store])
+
+    def oracle_action(self, prompt: Prompt, messages: list[dict[str, Any]]) -> dict[str, Any]:
+        """Answer once the last tool result is the value; otherwise look the question's key up."""
+        last = messages[-1] if messages else {}
+        if last.get("role") == "tool" and last.get("content") == prompt.answer:
+            return {"role": "assistant", "content": prompt.answer}
+        n_calls = sum(len(m.get("tool_calls") or []) for m in messages)
+        return {"role": "assistant", "content": "", "tool_calls": [_lookup_call(f"call_{n_calls}", prompt.info["key"])]}
+
+    def hint(self, error_kind: str, error_meta: dict[str, Any]) -> str | None:
+        if "unknown tool" in str(error_meta.get("excerpt", "")):
+            return "Hint: the only tool is lookup; call it with the key from the question."
+        return "Hint: call lookup with one of the listed keys, exactly as written."

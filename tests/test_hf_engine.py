@@ -1,0 +1,182 @@
+"""HFEngine: logprobs equal a teacher-forced forward, left padding is invisible, stops and seeds behave."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from meshrl.actors.hf_engine import HFEngine
+from meshrl.models.tiny import ensure_tiny, load_tokenizer
+
+VOCAB = 97
+EOS = 96
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 22, 23], [30]]  # different lengths: left padding
+
+
+def tiny_llama(seed: int) -> LlamaForCausalLM:
+    """A float64 two-layer Llama; the head is scaled up so distributions are peaked and top-p drops many tokens."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config).double()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8)
+    return model
+
+
+@pytest.fixture
+def model() -> LlamaForCausalLM:
+    return tiny_llama(0)
+
+
+def engine_for(model: LlamaForCausalLM, eos: int = EOS) -> HFEngine:
+    return HFEngine(model, eos_token_ids=[eos], pad_token_id=0)
+
+
+def reference_logprobs(
+    model: LlamaForCausalLM, prompt: list[int], completion: list[int], temperature: float, top_p: float
+) -> torch.Tensor:
+    """Teacher-forced logprobs of `completion`, with the nucleus found by walking the sorted probabilities."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1]
+    if temperature == 0:
+        return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+    logits = logits / temperature
+    out = []
+    for row, token in zip(logits, completion):
+        probs = row.softmax(-1)
+        kept, mass = [], 0.0
+        for index in probs.argsort(descending=True).tolist():
+            if mass >= top_p:
+                break
+            kept.append(index)
+            mass += probs[index].item()
+        assert token in kept, "a token outside the nucleus was sampled"
+        out.append(row[token] - torch.logsumexp(row[kept], -1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.8), (1.3, 0.5), (0.0, 1.0)])
+def test_logprobs_equal_a_teacher_forced_forward(model, temperature, top_p):
+    completions = engine_for(model).generate(PROMPTS, temperature=temperature, top_p=top_p, max_new_tokens=12, seed=3)
+    for prompt, completion in zip(PROMPTS, completions):
+        assert completion.prompt_ids == prompt
+        assert len(completion.logprobs) == len(completion.completion_ids) > 0
+        expected = reference_logprobs(model, prompt, completion.completion_ids, temperature, top_p)
+        torch.testing.assert_close(torch.tensor(completion.logprobs, dtype=torch.float64), expected, rtol=0, atol=1e-9)
+
+
+def test_greedy_is_the_argmax_chain_and_the_same_alone_or_batched(model):
+    engine = engine_for(model)
+    batched = engine.generate(PROMPTS, temperature=0.0, top_p=1.0, max_new_tokens=10)
+    for prompt, completion in zip(PROMPTS, batched):
+        alone = engine.generate([prompt], temperature=0.0, top_p=1.0, max_new_tokens=10)[0]
+        assert alone.completion_ids == completion.completion_ids
+        torch.testing.assert_close(torch.tensor(alone.logprobs), torch.tensor(completion.logprobs), rtol=0, atol=1e-9)
+        ids = torch.tensor([prompt + completion.completion_ids])
+        with torch.no_grad():
+            argmax = model(ids).logits[0, len(prompt) - 1 : -1].argmax(-1)
+        assert argmax.tolist() == completion.completion_ids
+
+
+def test_stop_tokens_end_rows_and_are_included(model):
+    engine = engine_for(model)
+    free = engine.generate(PROMPTS, temperature=0.0, top_p=1.0, max_new_tokens=10)
+    stop = free[0].completion_ids[3]
+    assert stop not in free[0].completion_ids[:3]  # the fixture's greedy chain; row 0 stops after 4 tokens
+
+    stopped = engine.generate(PROMPTS, temperature=0.0, top_p=1.0, max_new_tokens=10, stop_token_ids=[stop])
+    as_eos = engine_for(model, eos=stop).generate(PROMPTS, temperature=0.0, top_p=1.0, max_new_tokens=10)
+    for full, cut, by_eos in zip(free, stopped, as_eos):
+        if stop in full.completion_ids:
+            end = full.completion_ids.index(stop) + 1
+            assert cut.completion_ids == full.completion_ids[:end] and cut.finish_reason == "stop"
+            assert cut.logprobs == pytest.approx(full.logprobs[:end], abs=1e-12)
+        else:
+            assert cut.completion_ids == full.completion_ids and cut.finish_reason == "length"
+        assert (by_eos.completion_ids, by_eos.finish_reason) == (cut.completion_ids, cut.finish_reason)
+    assert stopped[0].completion_ids[-1] == stop and len(stopped[0].completion_ids) == 4
+
+
+def test_length_finish_when_no_stop_is_drawn(model):
+    completions = engine_for(model).generate(PROMPTS, temperature=0.0, top_p=1.0, max_new_tokens=5)
+    drawn = {token for c in completions for token in c.completion_ids}
+    unused = next(t for t in range(VOCAB) if t not in drawn)
+    again = engine_for(model, eos=unused).generate(PROMPTS, temperature=0.0, top_p=1.0, max_new_tokens=5)
+    assert all(c.finish_reason == "length" and len(c.completion_ids) == 5 for c in again)
+
+
+def test_a_seed_reproduces_its_samples_and_another_seed_differs(model):
+    engine = engine_for(model)
+    run = lambda seed: engine.generate(PROMPTS, temperature=1.0, top_p=0.9, max_new_tokens=12, seed=seed)  # noqa: E731
+    first, again, other = run(7), run(7), run(8)
+    assert first == again
+    assert [c.completion_ids for c in first] != [c.completion_ids for c in other]
+
+
+def test_a_tiny_top_p_samples_the_greedy_chain_with_certainty(model):
+    engine = engine_for(model)
+    greedy = engine.generate(PROMPTS, temperature=0.0, top_p=1.0, max_new_tokens=10)
+    nucleus_of_one = engine.generate(PROMPTS, temperature=1.0, top_p=1e-6, max_new_tokens=10, seed=0)
+    for g, n in zip(greedy, nucleus_of_one):
+        assert n.completion_ids == g.completion_ids
+        assert n.logprobs == [0.0] * len(n.logprobs)
+
+
+def test_load_weights_swaps_the_policy_and_sets_the_version(model):
+    engine = engine_for(model)
+    other = tiny_llama(1)
+    before = engine.generate(PROMPTS, temperature=0.0, top_p=1.0, max_new_tokens=8)
+    assert engine.version == 0
+
+    engine.load_weights(other.state_dict(), version=3)
+    after = engine.generate(PROMPTS, temperature=0.0, top_p=1.0, max_new_tokens=8)
+    assert engine.version == 3
+    assert after == engine_for(other).generate(PROMPTS, temperature=0.0, top_p=1.0, max_new_tokens=8)
+    assert [c.completion_ids for c in after] != [c.completion_ids for c in before]
+
+
+def test_a_bad_update_is_refused_whole(model):
+    engine = engine_for(model)
+    good = tiny_llama(1).state_dict()
+    snapshot = {name: t.clone() for name, t in model.state_dict().items()}
+    with pytest.raises(KeyError, match="not in the model"):
+        engine.load_weights({**good, "module.lm_head.weight": good["lm_head.weight"]}, version=1)
+    with pytest.raises(ValueError, match="shape"):
+        engine.load_weights({**good, "lm_head.weight": good["lm_head.weight"][:5]}, version=1)
+    assert engine.version == 0
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, snapshot[name])
+
+
+def test_from_pretrained_reads_eos_and_pad_from_the_saved_model(tmp_path):
+    directory = ensure_tiny(tmp_path / "tiny")
+    tokenizer = load_tokenizer(directory)
+    engine = HFEngine.from_pretrained(str(directory))
+    assert engine.eos_token_ids == [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    assert engine.pad_token_id == tokenizer.pad_token_id
+    messages = [{"role": "user", "content": "run the tests"}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    (completion,) = engine.generate([prompt], temperature=1.0, top_p=0.95, max_new_tokens=6, seed=0)
+    assert 1 <= len(completion.completion_ids) <= 6
+
+
+def test_arguments_both_backends_would_read_differently_are_refused(model):
+    engine = engine_for(model)
+    assert engine.generate([], temperature=1.0, top_p=1.0, max_new_tokens=4) == []
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate([[1, 2], []], temperature=1.0, top_p=1.0, max_new_tokens=4)
+    with pytest.raises(ValueError, match="top_p"):
+        engine.generate(PROMPTS, temperature=1.0, top_p=0.0, max_new_tokens=4)
+    with pytest.raises(ValueError, match="temperature"):
+        engine.generate(PROMPTS, temperature=-1.0, top_p=1.0, max_new_tokens=4)
