@@ -186,6 +186,7 @@ class Controller:
         for i in range(steps):
             chunk = demos[i * size : (i + 1) * size]
             self.trainers.sft_step.call([self.collator(chunk[r::world]) for r in range(world)]).get()
+        self.trainers.reset_reference.call().get()
         self._push_weights(0)
 
     def train(self, progress: Progress) -> None:

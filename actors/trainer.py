@@ -134,6 +134,11 @@ class TrainerCore:
         metrics.update(self._apply())
         return metrics
 
+    def reset_reference(self) -> None:
+        """The DPO reference is the policy RL starts from (after any warm start)."""
+        if self.ref_model is not None:
+            self.ref_model.load_state_dict(self.model.state_dict())
+
     def sft_step(self, batch: dict[str, Any]) -> dict[str, float]:
         """Warm start: masked NLL of the assistant tokens (the collator's loss_mask)."""
         batch = _to(batch, self.device)
@@ -142,7 +147,7 @@ class TrainerCore:
         mask = batch["loss_mask"].float()
         loss = -(logprobs * mask).sum() / mask.sum().clamp_min(1)
         loss.backward()
-        return {"loss/sft": float(loss), **self._apply()}
+        return {"loss/sft": float(loss.detach()), **self._apply()}
 
     # ------------------------------------------------------------------ weights and checkpoints
 
@@ -211,6 +216,10 @@ class TrainerActor(Actor):
     @endpoint
     def sft_step(self, shards: list[dict[str, Any]]) -> dict[str, float]:
         return self.core.sft_step(shards[self.rank])
+
+    @endpoint
+    def reset_reference(self) -> None:
+        self.core.reset_reference()
 
     @endpoint
     def policy_weights(self) -> dict[str, torch.Tensor]:
