@@ -111,9 +111,14 @@ class Controller:
         return step, futures
 
     def _push_weights(self, version: int) -> float:
+        """Trainer rank 0 → every generator, as pickled tensors or through an RDMA buffer."""
         start = time.perf_counter()
-        weights = self.trainers.slice(procs=0).policy_weights.call_one().get()
-        self.generators.load_weights.call(weights, version).get()
+        trainer = self.trainers.slice(procs=0)
+        if self.config.generator.weight_sync == "rdma":
+            buffer, layout = trainer.policy_weights_rdma.call_one().get()
+            self.generators.pull_weights.call(buffer, layout, version).get()
+        else:
+            self.generators.load_weights.call(trainer.policy_weights.call_one().get(), version).get()
         return time.perf_counter() - start
 
     def _teacher_round(self, rollouts: list[Rollout]) -> dict[str, float]:

@@ -61,3 +61,14 @@ class GeneratorActor(Actor):
     @endpoint
     def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
         self.engine.load_weights(weights, version)
+
+    @endpoint
+    def pull_weights(self, buffer: Any, layout: list[tuple[str, tuple[int, ...], int]], version: int) -> None:
+        """Read the trainer's flat weight buffer straight into a local one, then load it."""
+        flat = torch.empty(sum(n for _, _, n in layout))
+        buffer.read_into(flat).get()
+        weights, offset = {}, 0
+        for name, shape, n in layout:
+            weights[name] = flat[offset : offset + n].view(shape)
+            offset += n
+        self.engine.load_weights(weights, version)

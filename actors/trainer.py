@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from monarch.actor import Actor, current_rank, endpoint
+from monarch.rdma import RDMABuffer
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
@@ -224,6 +225,17 @@ class TrainerActor(Actor):
     @endpoint
     def policy_weights(self) -> dict[str, torch.Tensor]:
         return self.core.weights()
+
+    @endpoint
+    def policy_weights_rdma(self) -> tuple[Any, list[tuple[str, tuple[int, ...], int]]]:
+        """The weights as one flat buffer generators read directly (RDMA, or Monarch's TCP fallback).
+
+        The buffer stays alive here until the next call replaces it."""
+        weights = self.core.weights()
+        self._flat = torch.cat([t.flatten() for t in weights.values()])
+        layout = [(name, tuple(t.shape), t.numel()) for name, t in weights.items()]
+        self._buffer = RDMABuffer(self._flat)
+        return self._buffer, layout
 
     @endpoint
     def save_checkpoint(self, directory: str) -> None:

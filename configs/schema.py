@@ -102,6 +102,9 @@ class GeneratorConfig(Section):
     samples_per_prompt: int = Field(4, ge=1, description="Rollouts per prompt (the advantage group size).")
     max_async_level: int = Field(1, ge=0, description="Policy versions generation may run ahead of training.")
     max_off_policy_steps: int = Field(8, ge=0, description="Rollouts older than this many versions are dropped.")
+    weight_sync: Literal["tensors", "rdma"] = Field(
+        "tensors", description="Weights to generators as pickled endpoint tensors or read from an RDMA buffer."
+    )
 
 
 # --------------------------------------------------------------------------- trainer
