@@ -87,7 +87,7 @@ class TrainerCore:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
 
-    def _apply(self) -> dict[str, float]:
+    def _apply(self, schedule: bool = True) -> dict[str, float]:
         """Average grads across ranks, clip, and step — unless any grad is NaN/Inf (then skip, count)."""
         self._all_reduce_grads()
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.trainer.max_grad_norm)
@@ -97,7 +97,8 @@ class TrainerCore:
         else:
             self.skipped_steps += 1
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        if schedule:
+            self.scheduler.step()
         return {"grad_norm": float(norm), "skipped_steps": float(self.skipped_steps), "lr": self.scheduler.get_last_lr()[0]}
 
     def train_step(self, rl_batches: list[dict[str, Any]], aux_batch: dict[str, Any] | None, rl_tokens: int) -> dict[str, float]:
@@ -141,14 +142,22 @@ class TrainerCore:
             self.ref_model.load_state_dict(self.model.state_dict())
 
     def sft_step(self, batch: dict[str, Any]) -> dict[str, float]:
-        """Warm start: masked NLL of the assistant tokens (the collator's loss_mask)."""
+        """Warm start: masked NLL of the assistant tokens (the collator's loss_mask), at the
+        warm-start learning rate and outside the RL schedule."""
+        lr = self.config.trainer.warm_start_lr or self.config.trainer.lr
+        scheduled = [group["lr"] for group in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         batch = _to(batch, self.device)
         kwargs = {k: batch[k] for k in ("attention_mask", "position_ids") if k in batch}
         logprobs = sequence_token_logprobs(self.model, batch["input_ids"], self.config.model.logprob_chunk_size, **kwargs)
         mask = batch["loss_mask"].float()
         loss = -(logprobs * mask).sum() / mask.sum().clamp_min(1)
         loss.backward()
-        return {"loss/sft": float(loss.detach()), **self._apply()}
+        metrics = {"loss/sft": float(loss.detach()), **self._apply(schedule=False)}
+        for group, value in zip(self.optimizer.param_groups, scheduled):
+            group["lr"] = value
+        return metrics
 
     # ------------------------------------------------------------------ weights and checkpoints
 

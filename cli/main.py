@@ -200,8 +200,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `meshrl config keys | head` ends quietly
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command == "config":  # `meshrl config keys | head` ends quietly; never for training's sockets
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     try:
         return args.func(args)
     except ConfigError as exc:

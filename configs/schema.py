@@ -38,7 +38,7 @@ class Section(BaseModel):
 
 
 class TinyModelConfig(Section):
-    vocab_size: int = Field(512, ge=64, le=65536, description="Vocabulary of the locally built byte-level BPE tokenizer.")
+    vocab_size: int = Field(1024, ge=64, le=65536, description="Vocabulary of the locally built byte-level BPE tokenizer.")
     hidden_size: int = Field(64, ge=8, le=4096, description="Width of the tiny transformer.")
     num_layers: int = Field(2, ge=1, le=48, description="Decoder layers of the tiny transformer.")
     num_heads: int = Field(4, ge=1, le=64, description="Attention heads of the tiny transformer.")
@@ -120,6 +120,7 @@ class TrainerConfig(Section):
     micro_batch_tokens: int = Field(4096, ge=16, description="Token budget of one packed micro-batch per rank.")
     warm_start_steps: int = Field(0, ge=0, description="SFT steps on the task's demonstrations before RL (0 = none).")
     warm_start_batch_size: int = Field(16, ge=1, description="Demonstrations per warm-start step.")
+    warm_start_lr: float | None = Field(None, gt=0, description="Learning rate of the warm start (None = trainer.lr).")
 
 
 # --------------------------------------------------------------------------- loss

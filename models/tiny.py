@@ -45,13 +45,22 @@ _WORDS = (
 ).split()
 
 
+_TOOLS = ["lookup", "bash", "read", "edit", "search"]
+_ARGS = ["key", "path", "cmd", "query"]
+
+
 def _corpus(lines: int = 4000) -> list[str]:
-    """A deterministic mix of words, code-ish punctuation and numbers for BPE training."""
+    """A deterministic mix of words, code-ish punctuation, numbers, and the chat and tool-call
+    scaffolding the template writes, so that scaffolding costs a few tokens, as it does in
+    real tokenizers' vocabularies."""
     out, punct = [], [".", ",", ":", "(", ")", "[", "]", "{", "}", "=", "/", "_", "-", '"', "'", "\n", "  "]
     for i in range(lines):
         words = [_WORDS[(i * 7 + j * 13) % len(_WORDS)] for j in range(3 + i % 9)]
         words.insert(i % len(words), punct[i % len(punct)])
         out.append(" ".join(words) + f" {i % 97}")
+        tool, arg, word = _TOOLS[i % len(_TOOLS)], _ARGS[i % len(_ARGS)], _WORDS[i % len(_WORDS)]
+        out.append(f'\n<tool_call>{{"name": "{tool}", "arguments": {{"{arg}": "{word}"}}}}</tool_call>')
+        out.append(f'error: no such {arg} "{word}"; {arg}s: "{word}", "{_WORDS[(i + 1) % len(_WORDS)]}"')
     return out
 
 
@@ -67,6 +76,7 @@ def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.add_tokens(["<tool_call>", "</tool_call>"])  # whole tokens, but kept by decode(skip_special_tokens=True)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token="<|pad|>",

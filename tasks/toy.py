@@ -8,13 +8,15 @@ demonstrate episodes and act as an oracle teacher (SFT warm start, replay pairs)
 A correct episode (three assistant turns allow one failed call and its recovery):
 
     system     Tools: lookup(key)
-    user       Value of "kb"?
-    assistant  <tool_call>{"name": "lookup", "arguments": {"key": "kb"}}</tool_call>
+    user       Value of "k"?
+    assistant  <tool_call>{"name": "lookup", "arguments": {"key": "k"}}</tool_call>
     tool       42
     assistant  42
 
 Keys are quoted in the question and in error listings as JSON quotes them in the call, so
-copying a key copies the same tokens.
+copying a key copies the same tokens. Keys default to one letter (one token): a tiny model
+learns to copy one token across the ~40-token tool-call preamble within a few hundred steps,
+two-letter keys take it much longer.
 
 Reward rubric, in [0, 1]:
     1.0  the last assistant message's content, stripped, is the value
@@ -73,7 +75,7 @@ class ToolTask:
     def __init__(
         self,
         n_keys: int = 4,
-        key_len: int = 2,
+        key_len: int = 1,
         value_len: int = 2,
         max_turns: int = 3,
         recovery_rate: float = 0.3,
@@ -150,7 +152,9 @@ class ToolTask:
                 )
             turns.append(Turn(role="assistant", content=prompt.answer))
             mark_error_sites(turns, _CLASSIFIER)  # as ingestion and rollouts mark them
-            demos.append(TraceExample(trace_id=prompt.prompt_id, source=SOURCE, turns=turns, final_reward=ANSWER_REWARD))
+            demos.append(
+                TraceExample(trace_id=prompt.prompt_id, source=SOURCE, turns=turns, final_reward=ANSWER_REWARD)
+            )
         return demos
 
     @staticmethod

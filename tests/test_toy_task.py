@@ -65,14 +65,16 @@ def test_prompts_are_deterministic_in_the_rng():
     assert a != task.sample_prompts(random.Random(8), 50)
 
 
-def test_prompts_are_well_formed():
-    task = ToolTask(n_keys=5)
+@pytest.mark.parametrize("key_len", [1, 2])
+def test_prompts_are_well_formed(key_len):
+    task = ToolTask(n_keys=5, key_len=key_len)
     prompts = task.sample_prompts(random.Random(0), 500)
     assert len({p.prompt_id for p in prompts}) == 500
     for p in prompts:
         store, key = p.info["store"], p.info["key"]
         assert len(store) == 5 and len(set(store.values())) == 5
-        assert all(len(k) == 2 and k.isalpha() for k in store) and all(len(v) == 2 and v.isdigit() for v in store.values())
+        assert all(len(k) == key_len and k.isalpha() for k in store)
+        assert all(len(v) == 2 and v.isdigit() for v in store.values())
         assert p.answer == store[key]
         assert [m["role"] for m in p.messages] == ["system", "user"]
         assert LOOKUP in p.messages[0]["content"] and f'"{key}"' in p.messages[1]["content"]
@@ -101,13 +103,14 @@ def test_rubric_gives_partial_credit():
     wrong = str(int(answer) % 90 + 10)  # another two-digit number
     start = list(prompt.messages)
     tool = {"role": "tool", "content": answer, "tool_call_id": "call_0"}
+    wrong_reply = {"role": "assistant", "content": wrong}
 
     assert task.reward(prompt, start) == 0.0
-    assert task.reward(prompt, [*start, {"role": "assistant", "content": wrong}]) == 0.0
-    assert task.reward(prompt, [*start, _call(key, name="lookp"), {"role": "assistant", "content": wrong}]) == 0.0
-    assert task.reward(prompt, [*start, _call(7), {"role": "assistant", "content": wrong}]) == 0.0
-    assert task.reward(prompt, [*start, _call(other), {"role": "assistant", "content": wrong}]) == pytest.approx(0.1)
-    assert task.reward(prompt, [*start, _call(key), tool, {"role": "assistant", "content": wrong}]) == pytest.approx(0.4)
+    assert task.reward(prompt, [*start, wrong_reply]) == 0.0
+    assert task.reward(prompt, [*start, _call(key, name="lookp"), wrong_reply]) == 0.0
+    assert task.reward(prompt, [*start, _call(7), wrong_reply]) == 0.0
+    assert task.reward(prompt, [*start, _call(other), wrong_reply]) == pytest.approx(0.1)
+    assert task.reward(prompt, [*start, _call(key), tool, wrong_reply]) == pytest.approx(0.4)
     assert task.reward(prompt, [*start, _call(key), tool]) == pytest.approx(0.4)  # ran out of turns
     assert task.reward(prompt, [*start, _call(key), tool, {"role": "assistant", "content": f" {answer}\n"}]) == 1.0
     assert task.reward(prompt, [*start, {"role": "assistant", "content": answer}]) == 1.0  # a lucky guess still counts
@@ -236,6 +239,8 @@ def test_parse_round_trips_the_toy_episode(tokenizer):
     _, completion = _rendered_completion(tokenizer, "", [(LOOKUP, {"key": prompt.info["key"]})])
     assert completion == '\n<tool_call>{"name": "lookup", "arguments": {"key": "%s"}}</tool_call>' % prompt.info["key"]
     assert parse_tool_calls(completion) == ("", action["tool_calls"])
+    sampled = tokenizer(completion + "<|im_end|>", add_special_tokens=False)["input_ids"]  # as the rollout decodes
+    assert parse_tool_calls(tokenizer.decode(sampled, skip_special_tokens=True)) == ("", action["tool_calls"])
     assert parse_tool_calls(prompt.answer) == (prompt.answer, [])
 
 
@@ -252,7 +257,8 @@ def test_parse_round_trips_the_toy_episode(tokenizer):
     ],
 )
 def test_malformed_calls_become_error_results(body):
-    content, calls = parse_tool_calls(f'ok\n<tool_call>{body}</tool_call>\n<tool_call>{{"name": "lookup", "arguments": {{}}}}</tool_call>')
+    good = '<tool_call>{"name": "lookup", "arguments": {}}</tool_call>'
+    content, calls = parse_tool_calls(f"ok\n<tool_call>{body}</tool_call>\n{good}")
     assert content == "ok"
     assert [c["id"] for c in calls] == ["call_0", "call_1"]
     assert calls[0]["function"] == {"name": MALFORMED, "arguments": {}}
