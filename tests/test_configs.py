@@ -164,12 +164,14 @@ def test_override_before_preset_is_overridden_by_preset():
 
 
 def test_local_preset_values():
+    """The embedded default: local mesh, tiny model, built-in task, all three channels live."""
     config = load_config(["@", str(LOCAL)])
     assert config.max_steps == 60
-    assert config.generator.max_new_tokens == 48
-    assert config.trainer.lr == 3e-4
+    assert config.model.path == "tiny" and config.topology.mode == "local"
+    assert config.task.import_path == "meshrl.tasks.toy:ToolTask"
     assert config.loss.replay.weight == 0.1
     assert config.loss.sdpo.weight == 0.05
+    assert config.teachers.members and config.trainer.warm_start_steps > 0
 
 
 def test_simpo_preset_over_local_keeps_loss_type():
