@@ -10,7 +10,7 @@ from monarch.actor import Actor, current_rank, endpoint
 from transformers import AutoTokenizer
 
 from meshrl.actors.rollout import EpisodeRunner, Rollout
-from meshrl.actors.trainer import process_info
+from meshrl.actors.run_dir import process_info
 from meshrl.configs.schema import RunConfig
 from meshrl.loss_adapters.compose import import_object
 from meshrl.tasks.base import Prompt

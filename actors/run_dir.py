@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,11 @@ def write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def process_info() -> dict[str, Any]:
+    """Where the calling actor runs, for topology.json."""
+    return {"host": socket.gethostname(), "pid": os.getpid()}
 
 
 class RunDir:

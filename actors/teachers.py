@@ -437,10 +437,9 @@ class TeacherActor(Actor):
 
     @endpoint
     def info(self) -> dict[str, Any]:
-        import socket
+        from meshrl.actors.run_dir import process_info
 
-        return {"role": "teacher", "rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
-                "teachers": [t.name for t in self.teachers]}  # fmt: skip
+        return {"role": "teacher", "rank": self.rank, **process_info(), "teachers": [t.name for t in self.teachers]}
 
     @endpoint
     def replay(

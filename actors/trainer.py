@@ -13,7 +13,6 @@ import copy
 import math
 import os
 import random
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from monarch.rdma import RDMABuffer
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from meshrl.actors.run_dir import process_info
 from meshrl.configs.schema import RunConfig
 from meshrl.loss_adapters.compose import compose_loss, rl_loss_fn
 from meshrl.loss_adapters.logprobs import sequence_token_logprobs
@@ -195,11 +195,6 @@ class TrainerCore:
         np.random.set_state(state["rng"]["numpy"])
         if self.ref_model is not None and (directory / "reference.safetensors").exists():
             self.ref_model.load_state_dict(load_file(str(directory / "reference.safetensors")))
-
-
-def process_info() -> dict[str, Any]:
-    """Where this actor runs, for topology.json."""
-    return {"host": socket.gethostname(), "pid": os.getpid()}
 
 
 class TrainerActor(Actor):

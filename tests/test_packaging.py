@@ -145,7 +145,6 @@ def test_wheel_contains_package_modules_data_and_entry_point(installed: Installe
         assert len(dist_info) == 1, dist_info
         (dist_info_dir,) = dist_info
         entry_points = zf.read(f"{dist_info_dir}/entry_points.txt").decode()
-        top_level_txt = zf.read(f"{dist_info_dir}/top_level.txt").decode() if f"{dist_info_dir}/top_level.txt" in names else ""
 
     for required in ("meshrl/loss_adapters/prime_rl.py", "meshrl/configs/local.toml", "meshrl/cli/main.py"):
         assert required in names, f"{required} missing from {installed.wheel.name}"
