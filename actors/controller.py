@@ -16,7 +16,6 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from monarch.actor import this_host
 from monarch.spmd import setup_torch_elastic_env
 from transformers import AutoTokenizer
 
@@ -30,6 +29,7 @@ from meshrl.actors.trainer import TrainerActor
 from meshrl.configs.loader import to_toml
 from meshrl.configs.schema import RunConfig
 from meshrl.models.tiny import ensure_tiny
+from meshrl.topology.placement import Placement
 from meshrl.traces.collator import TraceCollator
 from meshrl.traces.errors import ErrorClassifier
 from meshrl.traces.pairs import DpoPair, mine_pairs, trace_states
@@ -63,19 +63,22 @@ class Controller:
     # ------------------------------------------------------------------ meshes
 
     def spawn(self) -> None:
-        topo = self.config.topology
-        host = this_host()
-        self.gen_procs = host.spawn_procs(per_host={"procs": topo.generator.procs})
+        """Place the meshes (topology config) and spawn their actors; generators and trainers
+        are flattened to one `rank` dimension however many hosts they span."""
+        self.placement = Placement(self.config.topology)
+        self.gen_procs = self.placement.procs("generator")
         self.generators = self.gen_procs.spawn("generator", GeneratorActor, self.config, self.model_path)
-        self.trainer_procs = host.spawn_procs(per_host={"procs": topo.trainer.procs})
+        self.generators = self.generators.flatten("rank")
+        self.trainer_procs = self.placement.procs("trainer")
         setup_torch_elastic_env(self.trainer_procs)
         self.trainers = self.trainer_procs.spawn("trainer", TrainerActor, self.config, self.model_path)
         actors = list(self.trainers.setup.call().get().values()) + list(self.generators.info.call().get().values())
         self.teachers = None
         if self.config.teachers.members:
-            self.teacher_procs = host.spawn_procs(per_host={"procs": 1})
+            self.teacher_procs = self.placement.procs("teacher")
             cache = str(self.run.root / "teacher_cache.jsonl")
             self.teachers = self.teacher_procs.spawn("teacher", TeacherActor, self.config, self.model_path, cache)
+            self.teachers = self.teachers.flatten("rank")
             actors += list(self.teachers.info.call().get().values())
         self.run.write_topology(actors)
 
@@ -102,23 +105,23 @@ class Controller:
     def _request(self, step: int) -> tuple[int, list[Any]]:
         """Ask every generator for its share of this step's prompts (returns futures)."""
         prompts = self.task.sample_prompts(self.data_rng, self.config.task.prompts_per_step)
-        n = self.config.topology.generator.procs
+        n = self.config.topology.generator.size
         futures = [
-            self.generators.slice(procs=i).rollout.call_one(prompts[i::n], self.seed_rng.randrange(2**31))
+            self.generators.slice(rank=i).rollout.call_one(prompts[i::n], self.seed_rng.randrange(2**31))
             for i in range(n)
             if prompts[i::n]
         ]
         return step, futures
 
     def _push_weights(self, version: int) -> float:
-        """Trainer rank 0 → every generator, as pickled tensors or through an RDMA buffer."""
+        """Trainer rank 0 → every generator, as pickled tensors or through an RDMA buffer.
+        Every trainer rank is called: under FSDP2 the full weights are an all-gather."""
         start = time.perf_counter()
-        trainer = self.trainers.slice(procs=0)
         if self.config.generator.weight_sync == "rdma":
-            buffer, layout = trainer.policy_weights_rdma.call_one().get()
+            buffer, layout = _rank0(self.trainers.policy_weights_rdma.call().get())
             self.generators.pull_weights.call(buffer, layout, version).get()
         else:
-            self.generators.load_weights.call(trainer.policy_weights.call_one().get(), version).get()
+            self.generators.load_weights.call(_rank0(self.trainers.policy_weights.call().get()), version).get()
         return time.perf_counter() - start
 
     def _teacher_round(self, rollouts: list[Rollout]) -> dict[str, float]:
@@ -145,7 +148,7 @@ class Controller:
             states.append(state)
             contexts.append({})
         states, contexts = states[:budget], contexts[:budget]
-        future = self.teachers.slice(procs=0).replay.call_one([s.state_messages for s in states], contexts)
+        future = self.teachers.slice(rank=0).replay.call_one([s.state_messages for s in states], contexts)
         self.pending_teacher = (future, states)
         return {f"teacher/{k}": float(v) for k, v in stats.items()}
 
@@ -186,7 +189,7 @@ class Controller:
         if steps == 0 or self.step > 0:
             return
         demos = self.task.demonstrations(random.Random(self.config.seed + 2), steps * self.config.trainer.warm_start_batch_size)
-        world = self.config.topology.trainer.procs
+        world = self.config.topology.trainer.size
         size = self.config.trainer.warm_start_batch_size
         for i in range(steps):
             chunk = demos[i * size : (i + 1) * size]
@@ -196,7 +199,7 @@ class Controller:
 
     def train(self, progress: Progress) -> None:
         cfg = self.config
-        world = cfg.topology.trainer.procs
+        world = cfg.topology.trainer.size
         level = cfg.generator.max_async_level
         pending: deque = deque()
         for s in range(self.step, min(self.step + max(level, 1), cfg.max_steps)):
@@ -218,11 +221,12 @@ class Controller:
             shards, rl_tokens, truncated = rl_shards(
                 fresh, advantages, cfg.trainer.micro_batch_tokens, self.tokenizer.pad_token_id, world
             )
-            aux, aux_stats = aux_shards(fresh, self.pairs, self.collator, world, cfg.loss.sdpo.max_traces_per_step)
+            pairs = self.pairs if cfg.loss.replay.weight > 0 else []  # a channel at weight 0 gets no rows
+            aux, aux_stats = aux_shards(fresh, pairs, self.collator, world, cfg.loss.sdpo.max_traces_per_step)
             replay_pairs = len(self.pairs)
             self.pairs = []
             train_start = time.perf_counter()
-            metrics = list(self.trainers.train_step.call(shards, aux, rl_tokens).get().values())[0]
+            metrics = _rank0(self.trainers.train_step.call(shards, aux, rl_tokens).get())
             train_seconds = time.perf_counter() - train_start
             self.step += 1
             sync_seconds = self._push_weights(self.step)
@@ -258,6 +262,11 @@ class Controller:
         for _, futures in pending:  # rollouts requested past the last step
             for f in futures:
                 f.get()
+
+
+def _rank0(values: Any) -> Any:
+    """Rank 0's value of an endpoint called on the whole trainer mesh."""
+    return next(iter(values.values()))
 
 
 def _rng_state(rng: random.Random) -> list[Any]:

@@ -16,6 +16,8 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from meshrl.topology.worker import WORKER_ENV
+
 COMPLETE = "COMPLETE"
 
 
@@ -29,8 +31,9 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def process_info() -> dict[str, Any]:
-    """Where the calling actor runs, for topology.json."""
-    return {"host": socket.gethostname(), "pid": os.getpid()}
+    """Where the calling actor runs, for topology.json: host name, pid, and the address of
+    the `meshrl worker` that spawned its process ('local' on the controller's host)."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "worker": os.environ.get(WORKER_ENV, "local")}
 
 
 class RunDir:

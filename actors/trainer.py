@@ -1,10 +1,14 @@
 """The trainer: one data-parallel rank's model, optimizer and step, and its Monarch actor.
 
 `TrainerCore` holds the logic (testable in one process); `TrainerActor` puts one core on
-each proc of the trainer mesh, with torch.distributed (gloo on CPU, nccl on GPU) for the
-gradient all-reduce. Data parallelism is a flat all-reduce of the gradients after the
-micro-batches' backward passes: the composer reaches into the model (trunk, LM head) for
-chunked logprobs, which a DDP wrapper's forward hooks would not see.
+each proc of the trainer mesh, with torch.distributed (gloo on CPU, nccl on GPU).
+`trainer.parallelism` picks how ranks share the work:
+
+- `ddp`: every rank holds the whole model; one flat all-reduce of the gradients after the
+  micro-batches' backward passes (a DDP wrapper's hooks would not see the composer's direct
+  reads of the trunk and LM head).
+- `fsdp2`: `fully_shard` on each decoder layer and on a `ModelCall` root around the model,
+  so parameters, gradients and optimizer state are sharded across the ranks.
 """
 
 from __future__ import annotations
@@ -22,6 +26,16 @@ import torch.distributed as dist
 from monarch.actor import Actor, current_rank, endpoint
 from monarch.rdma import RDMABuffer
 from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from meshrl.actors.run_dir import process_info
@@ -51,6 +65,34 @@ def _to(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
+class ModelCall(nn.Module):
+    """Runs `fn(model, *args)` as its forward.
+
+    The loss functions read the trunk and the LM head weight directly rather than calling
+    the model. Under FSDP2 this module is the root unit: its forward hooks gather the
+    parameters no decoder layer owns (embeddings, final norm, head) around those reads and
+    reduce-scatter their gradients after backward. `fn` returns a tuple so those hooks
+    find the output tensors.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, fn: Any, *args: Any) -> Any:
+        return fn(self.model, *args)
+
+
+def shard_fsdp2(call: ModelCall) -> None:
+    """`fully_shard` every decoder layer, then the root (over the device's default mesh)."""
+    layers = getattr(call.model.get_decoder(), "layers", None)
+    if layers is None:
+        raise ValueError("trainer.parallelism = 'fsdp2' needs a model whose decoder has `.layers`")
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(call)
+
+
 class TrainerCore:
     """One rank's model, frozen DPO reference, AdamW, LR schedule and NaN/Inf-guarded step."""
 
@@ -64,16 +106,21 @@ class TrainerCore:
         needs_ref = loss.replay.weight > 0 and loss.replay.variant == "dpo"
         self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if needs_ref else None
         self.rl_fn = rl_loss_fn(loss)
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.fsdp = config.trainer.parallelism == "fsdp2" and self.world > 1
+        self.call = ModelCall(self.model)
+        if self.fsdp:
+            shard_fsdp2(self.call)
         t = config.trainer
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
         self.skipped_steps = 0
-        self.world = dist.get_world_size() if dist.is_initialized() else 1
 
     # ------------------------------------------------------------------ steps
 
     def _all_reduce_grads(self) -> None:
-        if self.world == 1:
+        if self.world == 1 or self.fsdp:  # FSDP2 reduce-scatters in its post-backward hooks
             return
         for p in self.model.parameters():
             if p.grad is None:  # a rank with no data this step still joins the all-reduce
@@ -91,6 +138,8 @@ class TrainerCore:
         """Average grads across ranks, clip, and step — unless any grad is NaN/Inf (then skip, count)."""
         self._all_reduce_grads()
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.trainer.max_grad_norm)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
         finite = bool(torch.isfinite(norm))
         if finite:
             self.optimizer.step()
@@ -101,33 +150,56 @@ class TrainerCore:
             self.scheduler.step()
         return {"grad_norm": float(norm), "skipped_steps": float(self.skipped_steps), "lr": self.scheduler.get_last_lr()[0]}
 
-    def train_step(self, rl_batches: list[dict[str, Any]], aux_batch: dict[str, Any] | None, rl_tokens: int) -> dict[str, float]:
-        """One optimizer step over this rank's RL micro-batches and its replay/SDPO batch.
+    def _loss(self, batch: dict[str, Any], rl_token_count: float | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The composed loss of one batch, through `ModelCall` (so FSDP2's root hooks run)."""
 
-        `rl_tokens` is the loss-mask token count of the step over all ranks: each RL
-        micro-batch is normalised by rl_tokens / world so the cross-rank mean of gradients
-        is Σ sample losses / rl_tokens, PRIME-RL's normalisation.
+        def fn(model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
+            out = compose_loss(
+                model, batch, self.config.loss, rl_fn=self.rl_fn, rl_token_count=rl_token_count,
+                ref_model=self.ref_model, chunk_size=self.config.model.logprob_chunk_size,
+            )  # fmt: skip
+            return out.loss, out.metrics
+
+        return self.call(fn, _to(batch, self.device))
+
+    def _passes(self, shards: list[list[dict[str, Any]]], rank: int) -> list[tuple[dict[str, Any], float]]:
+        """Rank `rank`'s batches at weight 1. Under FSDP2 every rank must run as many
+        forward/backward passes as the others (the layers' all-gathers are collectives), so a
+        rank short of batches runs another rank's at weight 0."""
+        passes = [(batch, 1.0) for batch in shards[rank]]
+        if self.fsdp:
+            spare = next((batch for shard in shards for batch in shard), None)
+            passes += [(spare, 0.0)] * (max(len(shard) for shard in shards) - len(passes))
+        return passes
+
+    def train_step(
+        self, rl_shards: list[list[dict[str, Any]]], aux_shards: list[dict[str, Any] | None], rl_tokens: int, rank: int = 0
+    ) -> dict[str, float]:
+        """One optimizer step over rank `rank`'s RL micro-batches and its replay/SDPO batch.
+
+        Every rank gets the whole step's shards (one list of micro-batches, one auxiliary
+        batch or None per rank). `rl_tokens` is the loss-mask token count of the step over
+        all ranks: each RL micro-batch is normalised by rl_tokens / world so the cross-rank
+        mean of gradients is Σ sample losses / rl_tokens, PRIME-RL's normalisation.
         """
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}
-        for batch in rl_batches:
-            out = compose_loss(
-                self.model, _to(batch, self.device), self.config.loss,
-                rl_fn=self.rl_fn, rl_token_count=max(1, rl_tokens) / self.world, ref_model=self.ref_model,
-                chunk_size=self.config.model.logprob_chunk_size,
-            )  # fmt: skip
-            out.loss.backward()
-            for name, value in out.metrics.items():
+        for batch, weight in self._passes(rl_shards, rank):
+            loss, out = self._loss(batch, max(1, rl_tokens) / self.world)
+            (loss * weight).backward()
+            for name, value in out.items() if weight else ():
                 sums[name] = sums.get(name, 0.0) + float(value)
                 counts[name] = counts.get(name, 0) + 1
         metrics = {name: sums[name] / counts[name] for name in sums}
-        if rl_batches:
+        if rl_shards[rank]:
             metrics["loss/rl"] = sums.get("loss/rl", 0.0)  # micro-batch parts add up to the step's loss
-        if aux_batch is not None:
-            out = compose_loss(self.model, _to(aux_batch, self.device), self.config.loss, ref_model=self.ref_model,
-                               chunk_size=self.config.model.logprob_chunk_size)  # fmt: skip
-            out.loss.backward()
-            metrics.update({k: float(v) for k, v in out.metrics.items() if k != "loss/total"})
+        # Ranks average their gradients: scale so ranks without a replay/SDPO batch don't dilute it.
+        aux_scale = self.world / max(1, sum(a is not None for a in aux_shards))
+        for batch, weight in self._passes([[a] if a is not None else [] for a in aux_shards], rank):
+            loss, out = self._loss(batch)
+            (loss * weight * aux_scale).backward()
+            if weight:
+                metrics.update({k: float(v) for k, v in out.items() if k != "loss/total"})
         metrics["loss/total"] = (
             metrics.get("loss/rl", 0.0)
             + self.config.loss.replay.weight * metrics.get("loss/replay", 0.0)
@@ -148,11 +220,15 @@ class TrainerCore:
         scheduled = [group["lr"] for group in self.optimizer.param_groups]
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        batch = _to(batch, self.device)
-        kwargs = {k: batch[k] for k in ("attention_mask", "position_ids") if k in batch}
-        logprobs = sequence_token_logprobs(self.model, batch["input_ids"], self.config.model.logprob_chunk_size, **kwargs)
-        mask = batch["loss_mask"].float()
-        loss = -(logprobs * mask).sum() / mask.sum().clamp_min(1)
+        chunk_size = self.config.model.logprob_chunk_size
+
+        def nll(model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor]:
+            kwargs = {k: batch[k] for k in ("attention_mask", "position_ids") if k in batch}
+            logprobs = sequence_token_logprobs(model, batch["input_ids"], chunk_size, **kwargs)
+            mask = batch["loss_mask"].float()
+            return (-(logprobs * mask).sum() / mask.sum().clamp_min(1),)
+
+        (loss,) = self.call(nll, _to(batch, self.device))
         loss.backward()
         metrics = {"loss/sft": float(loss.detach()), **self._apply(schedule=False)}
         for group, value in zip(self.optimizer.param_groups, scheduled):
@@ -162,17 +238,26 @@ class TrainerCore:
     # ------------------------------------------------------------------ weights and checkpoints
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The policy's weights on CPU, for the generators."""
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        """The full policy weights on CPU on rank 0, {} on the others. Every rank must call:
+        under FSDP2 it is an all-gather."""
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def save(self, directory: str | Path) -> None:
-        """Model (safetensors), optimizer, scheduler and RNG state into `directory` (rank 0 writes)."""
+        """Model (safetensors), optimizer, scheduler and RNG state into `directory`.
+
+        Every rank calls (the full state dicts are gathered under FSDP2); rank 0 writes.
+        """
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        weights = self.weights()
+        optimizer = get_optimizer_state_dict(self.model, self.optimizer, options=options)
+        if self.rank != 0:
+            return
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(directory / "model", safe_serialization=True)
+        self.model.save_pretrained(directory / "model", state_dict=weights, safe_serialization=True)
         torch.save(
             {
-                "optimizer": self.optimizer.state_dict(),
+                "optimizer": optimizer,
                 "scheduler": self.scheduler.state_dict(),
                 "skipped_steps": self.skipped_steps,
                 "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
@@ -183,11 +268,13 @@ class TrainerCore:
             save_file(self.ref_model.state_dict(), str(directory / "reference.safetensors"))
 
     def load(self, directory: str | Path) -> None:
+        """Every rank reads the checkpoint rank 0 wrote and keeps its own part."""
         directory = Path(directory)
         saved = AutoModelForCausalLM.from_pretrained(directory / "model", dtype=DTYPES[self.config.model.dtype])
-        self.model.load_state_dict(saved.state_dict())
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(self.model, saved.state_dict(), options=options)
         state = torch.load(directory / "trainer.pt", weights_only=False)
-        self.optimizer.load_state_dict(state["optimizer"])
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
         self.scheduler.load_state_dict(state["scheduler"])
         self.skipped_steps = state["skipped_steps"]
         torch.set_rng_state(state["rng"]["torch"])
@@ -210,13 +297,15 @@ class TrainerActor(Actor):
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world > 1 and not dist.is_initialized():
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        if torch.cuda.is_available():  # one GPU per local rank, unless Monarch already narrowed the view
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
         self.core = TrainerCore(self.config, self.model_path, device)
         return {"role": "trainer", "rank": self.rank, **process_info()}
 
     @endpoint
     def train_step(self, rl_shards: list[list[dict[str, Any]]], aux_shards: list[dict[str, Any] | None], rl_tokens: int) -> dict[str, float]:
-        return self.core.train_step(rl_shards[self.rank], aux_shards[self.rank], rl_tokens)
+        return self.core.train_step(rl_shards, aux_shards, rl_tokens, self.rank)
 
     @endpoint
     def sft_step(self, shards: list[dict[str, Any]]) -> dict[str, float]:
@@ -227,15 +316,18 @@ class TrainerActor(Actor):
         self.core.reset_reference()
 
     @endpoint
-    def policy_weights(self) -> dict[str, torch.Tensor]:
-        return self.core.weights()
+    def policy_weights(self) -> dict[str, torch.Tensor] | None:
+        """Rank 0's full weights; the other ranks return None (they join the FSDP2 gather)."""
+        weights = self.core.weights()
+        return weights if self.rank == 0 else None
 
     @endpoint
-    def policy_weights_rdma(self) -> tuple[Any, list[tuple[str, tuple[int, ...], int]]]:
-        """The weights as one flat buffer generators read directly (RDMA, or Monarch's TCP fallback).
-
-        The buffer stays alive here until the next call replaces it."""
+    def policy_weights_rdma(self) -> tuple[Any, list[tuple[str, tuple[int, ...], int]]] | None:
+        """The weights as one flat buffer generators read directly (RDMA, or Monarch's TCP
+        fallback), from rank 0 (None elsewhere). The buffer lives until the next call replaces it."""
         weights = self.core.weights()
+        if self.rank != 0:
+            return None
         self._flat = torch.cat([t.flatten() for t in weights.values()])
         layout = [(name, tuple(t.shape), t.numel()) for name, t in weights.items()]
         self._buffer = RDMABuffer(self._flat)
@@ -243,8 +335,7 @@ class TrainerActor(Actor):
 
     @endpoint
     def save_checkpoint(self, directory: str) -> None:
-        if self.rank == 0:
-            self.core.save(directory)
+        self.core.save(directory)
 
     @endpoint
     def load_checkpoint(self, directory: str) -> None:

@@ -1,4 +1,4 @@
-"""`meshrl` console script: subcommands over configs, (later) training, traces and workers."""
+"""`meshrl` console script: training, plots, configs, traces and workers."""
 
 from __future__ import annotations
 
@@ -140,6 +140,17 @@ def _cmd_traces_ingest(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_worker(args: argparse.Namespace) -> int:
+    from meshrl.topology.worker import serve
+
+    try:
+        serve(args.address, cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca, allow_remote_tcp=args.allow_remote_tcp)
+    except ValueError as exc:
+        print(f"meshrl worker: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="meshrl", description="RL post-training for agentic LLMs on Monarch actor meshes."
@@ -152,6 +163,19 @@ def build_parser() -> argparse.ArgumentParser:
     plot = sub.add_parser("plot", help="draw reward, loss and throughput curves of a run into DIR/plots")
     plot.add_argument("run_dir", metavar="DIR", help="a run's output directory (holds metrics.jsonl)")
     plot.set_defaults(func=_cmd_plot)
+
+    worker_help = "run a Monarch worker on this host for a controller to attach to (topology.workers)"
+    worker = sub.add_parser("worker", help=worker_help, description=worker_help)
+    worker.add_argument("--address", required=True, help="tcp://HOST:PORT or tls://HOST:PORT to listen on")
+    worker.add_argument("--tls-cert", help="PEM certificate of this worker (tls://)")
+    worker.add_argument("--tls-key", help="PEM private key of that certificate (tls://)")
+    worker.add_argument("--tls-ca", help="PEM CA certificate: only peers it signed may connect (tls://)")
+    worker.add_argument(
+        "--allow-remote-tcp",
+        action="store_true",
+        help="let plain tcp bind a non-loopback address (no encryption, no authentication: trusted networks only)",
+    )
+    worker.set_defaults(func=_cmd_worker)
 
     config = sub.add_parser("config", help="inspect run configs", description="inspect run configs")
     config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")

@@ -67,16 +67,47 @@ class ModelConfig(Section):
 
 
 class RolePlacement(Section):
-    hosts: int = Field(1, ge=1, description="Hosts this role spans.")
+    hosts: int = Field(1, ge=1, description="Hosts this role spans (the first N hosts of the placement).")
     procs: int = Field(1, ge=1, description="Processes per host for this role.")
     gpus_per_proc: int = Field(0, ge=0, description="GPUs per process (0 = CPU).")
+
+    @property
+    def size(self) -> int:
+        """Actors in the role's mesh (hosts × procs)."""
+        return self.hosts * self.procs
+
+
+class TlsConfig(Section):
+    cert: str | None = Field(None, description="PEM certificate of this process (signed by the mesh's CA).")
+    key: str | None = Field(None, description="PEM private key of that certificate.")
+    ca: str | None = Field(None, description="PEM CA certificate: peers must present certificates it signed.")
+
+
+class SlurmConfig(Section):
+    partition: str | None = Field(None, description="sbatch --partition.")
+    account: str | None = Field(None, description="sbatch --account.")
+    qos: str | None = Field(None, description="sbatch --qos.")
+    time_limit: str | None = Field(None, description="sbatch --time (HH:MM:SS).")
+    job_name: str = Field("meshrl", description="SLURM job name.")
+    python_exe: str = Field("python", description="Python on the compute nodes (with meshrl installed).")
+    port: int = Field(22222, ge=1, le=65535, description="Port the Monarch workers listen on.")
+    log_dir: str | None = Field(None, description="Directory of the SLURM job's logs (default: Monarch's).")
+    sbatch_args: list[str] = Field(default_factory=list, description="Extra sbatch options, e.g. ['--mem=64G'].")
 
 
 class TopologyConfig(Section):
     mode: Literal["local", "attach", "slurm"] = Field(
         "local", description="Where meshes run: this host, attached worker addresses, or a SLURM job."
     )
-    workers: list[str] = Field(default_factory=list, description="Worker addresses (tcp://host:port or tls://host:port).")
+    workers: list[str] = Field(
+        default_factory=list, description="Worker addresses (tcp://host:port or tls://host:port), one per host."
+    )
+    controller_address: str | None = Field(
+        None, description="Where this controller listens for its workers (default <scheme>://127.0.0.1:0)."
+    )
+    attach_timeout_s: float = Field(120.0, gt=0, description="Seconds to wait for every worker to answer.")
+    tls: TlsConfig = Field(default_factory=TlsConfig, description="Certificates for tls:// workers.")
+    slurm: SlurmConfig = Field(default_factory=SlurmConfig, description="The SLURM job (mode 'slurm').")
     generator: RolePlacement = Field(default_factory=RolePlacement, description="Placement of the generator mesh.")
     trainer: RolePlacement = Field(default_factory=RolePlacement, description="Placement of the trainer mesh.")
     teacher: RolePlacement = Field(default_factory=RolePlacement, description="Placement of the teacher-replay mesh.")
@@ -86,8 +117,23 @@ class TopologyConfig(Section):
         for address in self.workers:
             if not address.startswith(("tcp://", "tls://")):
                 raise ValueError(f"worker address {address!r} must start with tcp:// or tls://")
+        if len({a.partition("://")[0] for a in self.workers}) > 1:
+            raise ValueError("topology.workers mixes tcp:// and tls:// addresses: one mesh uses one transport")
+        if any(a.startswith("tls://") for a in self.workers) and None in (self.tls.cert, self.tls.key, self.tls.ca):
+            raise ValueError("tls:// workers need topology.tls.cert, topology.tls.key and topology.tls.ca")
         if self.mode == "attach" and not self.workers:
             raise ValueError("mode 'attach' needs at least one address in topology.workers")
+        for role in ("generator", "trainer", "teacher"):
+            hosts = getattr(self, role).hosts
+            if self.mode == "local" and hosts > 1:
+                raise ValueError(
+                    f"topology.{role}.hosts = {hosts} but mode 'local' is this one host: "
+                    "list worker addresses in topology.workers with mode 'attach' (or use 'slurm')"
+                )
+            if self.mode == "attach" and hosts > len(self.workers):
+                raise ValueError(
+                    f"topology.{role}.hosts = {hosts} but topology.workers offers {len(self.workers)} host(s)"
+                )
         return self
 
 
@@ -117,6 +163,11 @@ class TrainerConfig(Section):
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
     lr_schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="Decay after warm-up.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    parallelism: Literal["ddp", "fsdp2"] = Field(
+        "ddp",
+        description="Across trainer procs: 'ddp' replicates the model and all-reduces gradients; "
+        "'fsdp2' shards parameters, gradients and optimizer state (fully_shard per decoder layer).",
+    )
     micro_batch_tokens: int = Field(4096, ge=16, description="Token budget of one packed micro-batch per rank.")
     warm_start_steps: int = Field(0, ge=0, description="SFT steps on the task's demonstrations before RL (0 = none).")
     warm_start_batch_size: int = Field(16, ge=1, description="Demonstrations per warm-start step.")

@@ -215,8 +215,8 @@ def test_kebab_case_keys_in_toml(tmp_path):
 
 
 def test_json_list_and_dict_values():
-    config = load_config(["--topology.workers", '["tcp://h:1", "tls://g:2"]', "--task.kwargs", '{"n": 3}'])
-    assert config.topology.workers == ["tcp://h:1", "tls://g:2"]
+    config = load_config(["--topology.workers", '["tcp://h:1", "tcp://g:2"]', "--task.kwargs", '{"n": 3}'])
+    assert config.topology.workers == ["tcp://h:1", "tcp://g:2"]
     assert config.task.kwargs == {"n": 3}
     assert load_config(["--trainer.betas=[0.8, 0.9]"]).trainer.betas == (0.8, 0.9)
 
@@ -505,8 +505,8 @@ def test_worker_address_scheme(address):
 
 
 def test_valid_worker_addresses():
-    config = load_config(["--topology.workers", '["tcp://a:1", "tls://b:2"]'])
-    assert config.topology.workers == ["tcp://a:1", "tls://b:2"]
+    config = load_config(["--topology.workers", '["tcp://a:1", "tcp://b:2"]'])
+    assert config.topology.workers == ["tcp://a:1", "tcp://b:2"]
 
 
 # --------------------------------------------------------------------------- round trip

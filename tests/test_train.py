@@ -92,11 +92,11 @@ def test_sigkill_after_a_checkpoint_then_resume(tmp_path):
     "swap",
     [
         ["--loss.type", "ipo"],
-        ["--loss.replay.weight", "0"],
+        ["--loss.replay.weight", "0", "--loss.sdpo.weight", "0"],
         ["--loss.type", "custom", "--loss.import-path", "meshrl.loss_adapters.prime_rl.loss_fn",
          "--loss.kwargs", '{"kl_tau": 0.01}'],
     ],
-    ids=["ipo", "replay-off", "custom"],
+    ids=["ipo", "rl-only", "custom"],
 )  # fmt: skip
 def test_loss_swap_needs_no_code_change(tmp_path, swap):
     out = tmp_path / "run"
@@ -106,6 +106,7 @@ def test_loss_swap_needs_no_code_change(tmp_path, swap):
     assert len(metrics) == 2
     config = load_config(["@", str(out / "config.toml")])
     if "--loss.replay.weight" in swap:
-        assert config.loss.replay.weight == 0 and all("loss/replay" not in r for r in metrics)
+        assert config.loss.replay.weight == 0 and config.loss.sdpo.weight == 0
+        assert all("loss/replay" not in r and "loss/sdpo" not in r for r in metrics)  # teachers' pairs go unused
     else:
         assert config.loss.type == swap[1]

@@ -1,0 +1,125 @@
+"""Placement across hosts: layouts the config refuses, the worker's address rules, the SLURM
+request Monarch submits for a config, and a training run across two `meshrl worker` processes
+on 127.0.0.1 (each one a host) with the trainer mesh spanning both."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+
+from meshrl.configs import ConfigError, load_config
+from meshrl.topology.placement import tls_env
+from meshrl.topology.worker import check_address
+
+from test_train import ENV, MESHRL, REPO, SMALL, records
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--topology.trainer.hosts", "2"], "topology.trainer.hosts = 2 but mode 'local' is this one host"),
+        (["--topology.mode", "attach"], "needs at least one address in topology.workers"),
+        (["--topology.mode", "attach", "--topology.workers", '["tcp://127.0.0.1:1"]', "--topology.generator.hosts", "2"],
+         "topology.generator.hosts = 2 but topology.workers offers 1 host(s)"),
+        (["--topology.workers", '["tcp://a:1", "tls://b:1"]'], "mixes tcp:// and tls://"),
+        (["--topology.workers", '["tls://a:1"]'], "tls:// workers need topology.tls.cert"),
+        (["--topology.workers", '["udp://a:1"]'], "must start with tcp:// or tls://"),
+    ],
+)  # fmt: skip
+def test_impossible_layouts_are_refused_with_the_reason(args, message):
+    with pytest.raises(ConfigError, match="topology") as info:
+        load_config(args)
+    assert message in str(info.value)
+
+
+def test_plain_tcp_workers_stay_on_loopback_unless_asked():
+    check_address("tcp://127.0.0.1:26600")
+    check_address("tls://10.0.0.5:26600")  # authenticated by certificates
+    with pytest.raises(ValueError, match="neither encrypts nor authenticates"):
+        check_address("tcp://0.0.0.0:26600")
+    with pytest.raises(ValueError, match="neither encrypts nor authenticates"):
+        check_address("tcp://node1:26600@tcp://0.0.0.0:26600")  # the bind half decides
+    check_address("tcp://0.0.0.0:26600", allow_remote_tcp=True)
+    with pytest.raises(ValueError, match="must look like"):
+        check_address("127.0.0.1:26600")
+
+
+def test_worker_command_refuses_a_public_tcp_bind_and_a_tls_worker_without_certificates():
+    public = subprocess.run([*MESHRL, "worker", "--address", "tcp://0.0.0.0:26600"], capture_output=True, text=True)
+    assert public.returncode == 2 and "--allow-remote-tcp" in public.stderr
+    tls = subprocess.run([*MESHRL, "worker", "--address", "tls://127.0.0.1:26600"], capture_output=True, text=True)
+    assert tls.returncode == 2 and "--tls-cert, --tls-key, --tls-ca" in tls.stderr
+
+
+def test_tls_files_reach_monarch_through_its_environment():
+    config = load_config(["--topology.tls.cert", "c.pem", "--topology.tls.key", "k.pem", "--topology.tls.ca", "ca.pem"])
+    assert tls_env(config.topology) == {
+        "HYPERACTOR_TLS_CERT": "c.pem", "HYPERACTOR_TLS_KEY": "k.pem", "HYPERACTOR_TLS_CA": "ca.pem",
+    }  # fmt: skip
+
+
+SUBMIT = "import sys; from meshrl.configs import load_config; from meshrl.topology.placement import slurm_job; " \
+         "slurm_job(load_config(sys.argv[1:]).topology).apply()"
+
+
+def test_slurm_request_from_the_config(tmp_path):
+    """Monarch's SlurmJob submits through `sbatch`; a stand-in on PATH records what it is sent.
+    (In its own process: SlurmJob switches the process's Monarch transport to tcp.)"""
+    fake = tmp_path / "bin" / "sbatch"
+    fake.parent.mkdir()
+    fake.write_text(f"#!/bin/sh\ncat > {tmp_path / 'request.sh'}\necho 'Submitted batch job 4242'\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    env = {**os.environ, "PATH": f"{fake.parent}{os.pathsep}{os.environ['PATH']}"}
+    subprocess.run(
+        [sys.executable, "-c", SUBMIT,"--topology.mode", "slurm", "--topology.trainer.hosts", "2", "--topology.trainer.procs", "4",
+         "--topology.trainer.gpus-per-proc", "2", "--topology.generator.hosts", "3",
+         "--topology.slurm.partition", "gpu", "--topology.slurm.time-limit", "04:00:00",
+         "--topology.slurm.account", "rl", "--topology.slurm.python-exe", "/opt/venv/bin/python",
+         "--topology.slurm.log-dir", str(tmp_path / "logs"), "--topology.slurm.sbatch-args", '["--mem=64G"]'],
+        env=env, check=True, capture_output=True, cwd=tmp_path,
+    )  # fmt: skip
+    request = (tmp_path / "request.sh").read_text()
+    for line in ("#SBATCH --nodes=3", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu",
+                 "#SBATCH --time=04:00:00", "#SBATCH --account=rl", "#SBATCH --mem=64G"):  # fmt: skip
+        assert line in request.splitlines(), line
+    assert "srun /opt/venv/bin/python" in request
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_training_across_two_worker_hosts(tmp_path):
+    addresses = [f"tcp://127.0.0.1:{_free_port()}" for _ in range(2)]
+    workers = [
+        subprocess.Popen([*MESHRL, "worker", "--address", a], cwd=REPO, env=ENV, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+        for a in addresses
+    ]
+    try:
+        time.sleep(2)
+        out = tmp_path / "run"
+        args = [*MESHRL, "train", *SMALL, "--output-dir", str(out), "--max-steps", "2",
+                "--topology.mode", "attach", "--topology.workers", json.dumps(addresses),
+                "--topology.trainer.hosts", "2", "--trainer.parallelism", "fsdp2"]  # fmt: skip
+        result = subprocess.run(args, capture_output=True, text=True, timeout=240, cwd=REPO, env=ENV)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert [r["step"] for r in records(out)] == [0, 1]
+        actors = json.loads((out / "topology.json").read_text())["actors"]
+        trainers = sorted((a["rank"], a["worker"]) for a in actors if a["role"] == "trainer")
+        assert trainers == [(0, addresses[0]), (1, addresses[1])]  # one trainer rank per host
+        assert {a["worker"] for a in actors if a["role"] != "trainer"} == {addresses[0]}
+        assert all(w.poll() is None for w in workers)  # the run frees its meshes; workers stay up
+    finally:
+        for w in workers:
+            w.kill()
+            w.wait()

@@ -1,0 +1,84 @@
+"""Where the generator, trainer and teacher meshes run: this host, attached workers, or a SLURM job.
+
+All three placements end in one Monarch host mesh; each role spans its first
+`topology.<role>.hosts` hosts with `procs` processes on each (roles may share hosts, as a
+colocated trainer and generator do). Attaching and SLURM go through Monarch's own
+`attach_to_workers` and `SlurmJob`; nothing here opens a socket itself.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from monarch.actor import attach_to_workers, enable_transport, this_host
+from monarch.job import SlurmJob
+
+from meshrl.configs.schema import TopologyConfig
+from meshrl.topology.worker import TLS_FILES
+
+ROLES = ("generator", "trainer", "teacher")
+
+
+def tls_env(topology: TopologyConfig) -> dict[str, str]:
+    """The environment Monarch's TLS transport reads its certificate, key and CA from."""
+    return {env: str(getattr(topology.tls, field)) for field, env in TLS_FILES.items() if getattr(topology.tls, field)}
+
+
+def slurm_job(topology: TopologyConfig) -> SlurmJob:
+    """The SLURM job that starts one Monarch worker per node, for the largest role."""
+    s = topology.slurm
+    roles = [getattr(topology, role) for role in ROLES]
+    gpus = max(r.procs * r.gpus_per_proc for r in roles)
+    return SlurmJob(
+        meshes={"meshrl": max(r.hosts for r in roles)},
+        python_exe=s.python_exe,
+        slurm_args=s.sbatch_args,
+        monarch_port=s.port,
+        job_name=s.job_name,
+        time_limit=s.time_limit,
+        partition=s.partition,
+        account=s.account,
+        qos=s.qos,
+        gpus_per_node=gpus or None,
+        **({"log_dir": s.log_dir} if s.log_dir else {}),
+    )
+
+
+class Placement:
+    """The host mesh of a run and the proc meshes of its roles."""
+
+    def __init__(self, topology: TopologyConfig) -> None:
+        self.topology = topology
+        self.job: SlurmJob | None = None
+        if topology.mode == "local":
+            self.hosts = this_host()
+        elif topology.mode == "attach":
+            self.hosts = self._attach()
+        else:
+            self.job = slurm_job(topology)
+            self.job.apply()
+            self.hosts = self.job.state(cached_path=None).meshrl
+
+    def _attach(self) -> Any:
+        topology = self.topology
+        scheme = topology.workers[0].partition("://")[0]
+        if scheme == "tls":
+            os.environ.update(tls_env(topology))  # read by the transport on first use
+        enable_transport(topology.controller_address or f"{scheme}://127.0.0.1:0")
+        hosts = attach_to_workers(ca="trust_all_connections", workers=topology.workers, name="meshrl")
+        try:
+            hosts.initialized.get(timeout=topology.attach_timeout_s)
+        except Exception as exc:
+            raise RuntimeError(
+                f"could not attach to topology.workers {topology.workers} within {topology.attach_timeout_s:.0f} s "
+                f"({type(exc).__name__}: {exc}); is `meshrl worker --address ADDRESS` running for each, "
+                "with certificates from the same CA for tls://?"
+            ) from None
+        return hosts
+
+    def procs(self, role: str) -> Any:
+        """A fresh proc mesh for `role`: `procs` processes on each of its hosts."""
+        place = getattr(self.topology, role)
+        hosts = self.hosts if self.topology.mode == "local" else self.hosts.slice(hosts=slice(0, place.hosts))
+        return hosts.spawn_procs(per_host={"procs": place.procs})
