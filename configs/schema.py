@@ -66,6 +66,9 @@ class ModelConfig(Section):
 # --------------------------------------------------------------------------- topology
 
 
+ROLES = ("generator", "trainer", "teacher")  # the meshes a topology places
+
+
 class RolePlacement(Section):
     hosts: int = Field(1, ge=1, description="Hosts this role spans (the first N hosts of the placement).")
     procs: int = Field(1, ge=1, description="Processes per host for this role.")
@@ -123,7 +126,7 @@ class TopologyConfig(Section):
             raise ValueError("tls:// workers need topology.tls.cert, topology.tls.key and topology.tls.ca")
         if self.mode == "attach" and not self.workers:
             raise ValueError("mode 'attach' needs at least one address in topology.workers")
-        for role in ("generator", "trainer", "teacher"):
+        for role in ROLES:
             hosts = getattr(self, role).hosts
             if self.mode == "local" and hosts > 1:
                 raise ValueError(

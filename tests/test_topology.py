@@ -15,8 +15,7 @@ import time
 import pytest
 
 from meshrl.configs import ConfigError, load_config
-from meshrl.topology.placement import tls_env
-from meshrl.topology.worker import check_address
+from meshrl.topology.worker import check_address, tls_env
 
 from test_train import ENV, MESHRL, REPO, SMALL, records
 
@@ -60,7 +59,7 @@ def test_worker_command_refuses_a_public_tcp_bind_and_a_tls_worker_without_certi
 
 def test_tls_files_reach_monarch_through_its_environment():
     config = load_config(["--topology.tls.cert", "c.pem", "--topology.tls.key", "k.pem", "--topology.tls.ca", "ca.pem"])
-    assert tls_env(config.topology) == {
+    assert tls_env(config.topology.tls.cert, config.topology.tls.key, config.topology.tls.ca) == {
         "HYPERACTOR_TLS_CERT": "c.pem", "HYPERACTOR_TLS_KEY": "k.pem", "HYPERACTOR_TLS_CA": "ca.pem",
     }  # fmt: skip
 

@@ -67,7 +67,7 @@ def test_two_rank_step_matches_one_rank_and_checkpoints_round_trip(tmp_path, par
         trainers = procs.spawn("trainer", TrainerActor, config, model_path)
         trainers.setup.call().get()
         got = list(trainers.train_step.call(shards, aux, rl_tokens).get().values())
-        weights = [w for w in trainers.policy_weights.call().get().values()]
+        weights = list(trainers.policy_weights.call().get().values())
         trainers.save_checkpoint.call(str(tmp_path / "ckpt")).get()
     finally:
         procs.stop().get()

@@ -14,15 +14,8 @@ from typing import Any
 from monarch.actor import attach_to_workers, enable_transport, this_host
 from monarch.job import SlurmJob
 
-from meshrl.configs.schema import TopologyConfig
-from meshrl.topology.worker import TLS_FILES
-
-ROLES = ("generator", "trainer", "teacher")
-
-
-def tls_env(topology: TopologyConfig) -> dict[str, str]:
-    """The environment Monarch's TLS transport reads its certificate, key and CA from."""
-    return {env: str(getattr(topology.tls, field)) for field, env in TLS_FILES.items() if getattr(topology.tls, field)}
+from meshrl.configs.schema import ROLES, TopologyConfig
+from meshrl.topology.worker import tls_env
 
 
 def slurm_job(topology: TopologyConfig) -> SlurmJob:
@@ -50,21 +43,20 @@ class Placement:
 
     def __init__(self, topology: TopologyConfig) -> None:
         self.topology = topology
-        self.job: SlurmJob | None = None
         if topology.mode == "local":
             self.hosts = this_host()
         elif topology.mode == "attach":
             self.hosts = self._attach()
         else:
-            self.job = slurm_job(topology)
-            self.job.apply()
-            self.hosts = self.job.state(cached_path=None).meshrl
+            job = slurm_job(topology)
+            job.apply()
+            self.hosts = job.state(cached_path=None).meshrl
 
     def _attach(self) -> Any:
         topology = self.topology
         scheme = topology.workers[0].partition("://")[0]
         if scheme == "tls":
-            os.environ.update(tls_env(topology))  # read by the transport on first use
+            os.environ.update(tls_env(topology.tls.cert, topology.tls.key, topology.tls.ca))  # read on first use
         enable_transport(topology.controller_address or f"{scheme}://127.0.0.1:0")
         hosts = attach_to_workers(ca="trust_all_connections", workers=topology.workers, name="meshrl")
         try:

@@ -18,6 +18,13 @@ LOOPBACK = {"127.0.0.1", "localhost", "::1", "[::1]"}
 TLS_FILES = {"cert": "HYPERACTOR_TLS_CERT", "key": "HYPERACTOR_TLS_KEY", "ca": "HYPERACTOR_TLS_CA"}
 
 
+def tls_env(cert: str | None, key: str | None, ca: str | None) -> dict[str, str]:
+    """The environment Monarch's TLS transport reads its certificate, key and CA from
+    (the given files only)."""
+    files = {"cert": cert, "key": key, "ca": ca}
+    return {TLS_FILES[name]: str(path) for name, path in files.items() if path}
+
+
 def bind_host(address: str) -> str:
     """The host a worker address binds to (`dial@bind` form: the bind part)."""
     bind = address.rsplit("@", 1)[-1]
@@ -47,6 +54,6 @@ def serve(address: str, *, cert: str | None = None, key: str | None = None, ca: 
         for name, path in files.items():
             if not Path(path).is_file():
                 raise ValueError(f"--tls-{name}: no such file: {path}")
-            os.environ[TLS_FILES[name]] = str(Path(path).resolve())
+        os.environ.update(tls_env(*(Path(path).resolve() for path in files.values())))
     os.environ[WORKER_ENV] = address
     run_worker_loop_forever(address=address, ca="trust_all_connections")
