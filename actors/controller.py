@@ -5,6 +5,11 @@ stale; older than `max_off_policy_steps` are dropped), compute group-normalised
 advantages, shard packed micro-batches and the replay/SDPO batch to the trainer ranks,
 step, push the new weights to the generators, hand this step's imperfect states to the
 teachers and mine last step's answers into DPO pairs, log, and checkpoint.
+
+Faults: a dead generator or teacher is replaced on its host (a generator with the current
+weights) and its in-flight work is dropped and counted; teacher answers are awaited at most
+`teachers.wait_s` per step. A dead trainer process or a lost worker host stops the run with
+`RunStopped`, after a checkpoint when the trainers can still take one.
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ from meshrl.actors.trainer import TrainerActor
 from meshrl.configs.loader import to_toml
 from meshrl.configs.schema import RunConfig
 from meshrl.models.tiny import ensure_tiny
+from meshrl.topology.faults import RunStopped, SupervisionError, install_fault_hook
 from meshrl.topology.placement import Placement
+from meshrl.topology.pool import ActorPool
 from meshrl.traces.collator import TraceCollator
 from meshrl.traces.errors import ErrorClassifier
 from meshrl.traces.pairs import DpoPair, mine_pairs, trace_states
@@ -57,36 +64,75 @@ class Controller:
         self.step = 0
         self.pairs: list[DpoPair] = []
         self.dropped_stale = 0
+        self.lost_rollouts = 0  # in flight on a generator that died
         self.pending_teacher: Any = None
+        self.teacher_counts = {"actor_failures": 0, "late_rounds": 0}
+        self.teacher_totals: dict[str, float] = {}  # counters of teacher actors that died
+        self.teacher_latest: dict[str, float] = {}
         self.offline_states = self._offline_states()
 
     # ------------------------------------------------------------------ meshes
 
     def spawn(self) -> None:
-        """Place the meshes (topology config) and spawn their actors; generators and trainers
-        are flattened to one `rank` dimension however many hosts they span."""
+        """Place the meshes (topology config) and spawn their actors; generators and teachers
+        are pools of replaceable ranks, however many hosts they span."""
+        install_fault_hook()
         self.placement = Placement(self.config.topology)
-        self.gen_procs = self.placement.procs("generator")
-        self.generators = self.gen_procs.spawn("generator", GeneratorActor, self.config, self.model_path)
-        self.generators = self.generators.flatten("rank")
+        self.generators = ActorPool(self.placement, "generator", "generator", GeneratorActor, self.config, self.model_path)
         self.trainer_procs = self.placement.procs("trainer")
         setup_torch_elastic_env(self.trainer_procs)
         self.trainers = self.trainer_procs.spawn("trainer", TrainerActor, self.config, self.model_path)
-        actors = list(self.trainers.setup.call().get().values()) + list(self.generators.info.call().get().values())
+        self.actors = list(self.trainers.setup.call().get().values()) + self.generators.infos()
         self.teachers = None
         if self.config.teachers.members:
-            self.teacher_procs = self.placement.procs("teacher")
             cache = str(self.run.root / "teacher_cache.jsonl")
-            self.teachers = self.teacher_procs.spawn("teacher", TeacherActor, self.config, self.model_path, cache)
-            self.teachers = self.teachers.flatten("rank")
-            actors += list(self.teachers.info.call().get().values())
-        self.run.write_topology(actors)
+            self.teachers = ActorPool(self.placement, "teacher", "teacher", TeacherActor, self.config, self.model_path, cache)
+            self.actors += self.teachers.infos()
+        self.run.write_topology(self.actors)
 
     def shutdown(self) -> None:
-        for name in ("gen_procs", "trainer_procs", "teacher_procs"):
-            procs = getattr(self, name, None)
-            if procs is not None:
-                procs.stop().get()
+        for pool in (getattr(self, "generators", None), self.teachers if hasattr(self, "teachers") else None):
+            if pool is not None:
+                pool.stop()
+        if getattr(self, "trainer_procs", None) is not None:
+            try:
+                self.trainer_procs.stop().get(timeout=30)
+            except Exception as exc:  # noqa: BLE001 - after a trainer fault its mesh may not answer
+                print(f"stopping the trainer mesh: {type(exc).__name__}: {exc}")
+
+    # ------------------------------------------------------------------ faults
+
+    def _replace(self, pool: ActorPool, rank: int) -> None:
+        """A dead generator or teacher rank: stop the run if its host is gone, else respawn it there."""
+        role = pool.role
+        if not self.placement.host_alive(role, rank):
+            self._stop_for_lost_host(role, rank)
+        try:
+            info = pool.replace(rank)
+        except Exception as exc:  # noqa: BLE001 - a host that cannot start a proc is as good as lost
+            self._stop_for_lost_host(role, rank, f"{type(exc).__name__}: {exc}")
+        self.actors = [a for a in self.actors if (a["role"], a["rank"]) != (role, rank)] + [info]
+        self.run.write_topology(self.actors)
+
+    def _stop_for_lost_host(self, role: str, rank: int, why: str = "its worker does not answer") -> None:
+        """Checkpoint (the trainers are alive) and stop, naming the host."""
+        host = self.placement.host_name(role, rank)
+        latest = self.run.latest_checkpoint()
+        if latest is None or latest.name != f"step_{self.step}":
+            self.save()
+        raise RunStopped(
+            f"worker host {host} is lost ({role} rank {rank}; {why}). Saved checkpoint step {self.step}; "
+            "start `meshrl worker` there again and rerun with --resume."
+        )
+
+    def trainer_lost(self, error: Exception) -> RunStopped:
+        """A trainer process died: no checkpoint can be taken; name a lost host if there is one."""
+        ranks = range(self.config.topology.trainer.size)
+        lost = sorted({self.placement.host_name("trainer", r) for r in ranks if not self.placement.host_alive("trainer", r)})
+        where = f"worker host {', '.join(lost)} is lost" if lost else "a trainer process died"
+        latest = self.run.latest_checkpoint()
+        resume = f"checkpoint {latest.name}" if latest is not None else "no checkpoint yet (rerun starts over)"
+        return RunStopped(f"{where} ({error}). Newest complete: {resume}; fix it and rerun with --resume.")
 
     # ------------------------------------------------------------------ data
 
@@ -102,26 +148,63 @@ class Controller:
                         raise ValueError(f"task.traces: {path}:{n}: not a trace example: {exc}") from None
         return states
 
-    def _request(self, step: int) -> tuple[int, list[Any]]:
-        """Ask every generator for its share of this step's prompts (returns futures)."""
+    def _request(self) -> list[tuple[int, Any, int, Any]]:
+        """Ask every generator for its share of a step's prompts: (rank, actor, rollouts asked, future)."""
         prompts = self.task.sample_prompts(self.data_rng, self.config.task.prompts_per_step)
-        n = self.config.topology.generator.size
-        futures = [
-            self.generators.slice(rank=i).rollout.call_one(prompts[i::n], self.seed_rng.randrange(2**31))
-            for i in range(n)
-            if prompts[i::n]
-        ]
-        return step, futures
+        n, samples = len(self.generators), self.config.generator.samples_per_prompt
+        requests = []
+        for i in range(n):
+            if prompts[i::n]:
+                actor = self.generators[i]
+                future = actor.rollout.call_one(prompts[i::n], self.seed_rng.randrange(2**31))
+                requests.append((i, actor, len(prompts[i::n]) * samples, future))
+        return requests
 
-    def _push_weights(self, version: int) -> float:
-        """Trainer rank 0 → every generator, as pickled tensors or through an RDMA buffer.
+    def _collect(self, requests: list[tuple[int, Any, int, Any]]) -> tuple[list[Rollout], float]:
+        """The rollouts of the generators that answered and their slowest time; rollouts of a
+        dead generator are counted lost and the generator replaced (once, however many of its
+        requests were in flight)."""
+        rollouts, seconds = [], 0.0
+        for rank, actor, asked, future in requests:
+            try:
+                batch, took = future.get()
+            except SupervisionError:
+                self.lost_rollouts += asked
+                if self.generators[rank] is actor:
+                    self._replace_generator(rank)
+                continue
+            rollouts += batch
+            seconds = max(seconds, took)
+        return rollouts, seconds
+
+    def _replace_generator(self, rank: int) -> None:
+        self._replace(self.generators, rank)
+        if self._sync_weights(self.step, [rank]):
+            raise RunStopped(f"generator rank {rank} died again right after it was replaced; see the worker's log")
+
+    def _sync_weights(self, version: int, ranks: list[int]) -> list[int]:
+        """Trainer rank 0's weights → these generator ranks; returns the ranks that died meanwhile.
         Every trainer rank is called: under FSDP2 the full weights are an all-gather."""
-        start = time.perf_counter()
         if self.config.generator.weight_sync == "rdma":
             buffer, layout = _rank0(self.trainers.policy_weights_rdma.call().get())
-            self.generators.pull_weights.call(buffer, layout, version).get()
+            futures = {r: self.generators[r].pull_weights.call_one(buffer, layout, version) for r in ranks}
         else:
-            self.generators.load_weights.call(_rank0(self.trainers.policy_weights.call().get()), version).get()
+            weights = _rank0(self.trainers.policy_weights.call().get())
+            futures = {r: self.generators[r].load_weights.call_one(weights, version) for r in ranks}
+        dead = []
+        for rank, future in futures.items():
+            try:
+                future.get()
+            except SupervisionError:
+                dead.append(rank)
+        return dead
+
+    def _push_weights(self, version: int) -> float:
+        """The new policy to every generator, as pickled tensors or through an RDMA buffer;
+        a generator that died meanwhile is replaced (and gets the weights)."""
+        start = time.perf_counter()
+        for rank in self._sync_weights(version, list(range(len(self.generators)))):
+            self._replace_generator(rank)
         return time.perf_counter() - start
 
     def _teacher_round(self, rollouts: list[Rollout]) -> dict[str, float]:
@@ -130,8 +213,21 @@ class Controller:
         if self.teachers is None:
             return stats
         if self.pending_teacher is not None:
-            future, states = self.pending_teacher
-            answers, stats = future.get()
+            actor, future, states = self.pending_teacher
+            try:
+                answers, self.teacher_latest = future.get(timeout=self.config.teachers.wait_s)
+            except TimeoutError:  # still answering: keep waiting next step, send nothing new
+                self.teacher_counts["late_rounds"] += 1
+                return self._teacher_stats()
+            except SupervisionError:
+                self.teacher_counts["actor_failures"] += 1
+                answers = []
+                for name, value in self.teacher_latest.items():
+                    self.teacher_totals[name] = self.teacher_totals.get(name, 0.0) + value
+                self.teacher_latest = {}
+                if self.teachers[0] is actor:
+                    self._replace(self.teachers, 0)
+            self.pending_teacher = None
             for state, actions in zip(states, answers):
                 pair = mine_pairs(state, actions, self.config.teachers.min_agree)
                 if pair is not None:
@@ -148,9 +244,15 @@ class Controller:
             states.append(state)
             contexts.append({})
         states, contexts = states[:budget], contexts[:budget]
-        future = self.teachers.slice(rank=0).replay.call_one([s.state_messages for s in states], contexts)
-        self.pending_teacher = (future, states)
-        return {f"teacher/{k}": float(v) for k, v in stats.items()}
+        actor = self.teachers[0]
+        self.pending_teacher = (actor, actor.replay.call_one([s.state_messages for s in states], contexts), states)
+        return self._teacher_stats()
+
+    def _teacher_stats(self) -> dict[str, float]:
+        """Teacher counters over the run (those of replaced teacher actors included)."""
+        names = set(self.teacher_totals) | set(self.teacher_latest)
+        stats = {k: self.teacher_totals.get(k, 0.0) + self.teacher_latest.get(k, 0.0) for k in names}
+        return {f"teacher/{k}": float(v) for k, v in {**stats, **self.teacher_counts}.items()}
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -163,6 +265,7 @@ class Controller:
             "seed_rng": _rng_state(self.seed_rng),
             "pairs": [p.model_dump() for p in self.pairs],
             "dropped_stale": self.dropped_stale,
+            "lost_rollouts": self.lost_rollouts,
             "teacher_cache": str(self.run.root / "teacher_cache.jsonl"),
         }
         self.run.commit_checkpoint(staging, self.step, state, self.config.ckpt.keep_last)
@@ -178,6 +281,7 @@ class Controller:
         self.seed_rng.setstate(_rng_from(state["seed_rng"]))
         self.pairs = [DpoPair.model_validate(p) for p in state["pairs"]]
         self.dropped_stale = state["dropped_stale"]
+        self.lost_rollouts = state["lost_rollouts"]
         self.run.keep_metrics_before(self.step)
         self._push_weights(self.step)
         return True
@@ -202,20 +306,19 @@ class Controller:
         world = cfg.topology.trainer.size
         level = cfg.generator.max_async_level
         pending: deque = deque()
-        for s in range(self.step, min(self.step + max(level, 1), cfg.max_steps)):
-            pending.append(self._request(s))
+        for _ in range(self.step, min(self.step + max(level, 1), cfg.max_steps)):
+            pending.append(self._request())
         while self.step < cfg.max_steps:
             step_start = time.perf_counter()
             if not pending:
-                pending.append(self._request(self.step))
-            _, futures = pending.popleft()
-            results = [f.get() for f in futures]
-            rollouts = [r for batch, _ in results for r in batch]
-            gen_seconds = max(seconds for _, seconds in results)
+                pending.append(self._request())
+            rollouts, gen_seconds = self._collect(pending.popleft())
             fresh = [r for r in rollouts if self.step - r.version <= cfg.generator.max_off_policy_steps]
             self.dropped_stale += len(rollouts) - len(fresh)
             if level > 0 and self.step + level < cfg.max_steps:
-                pending.append(self._request(self.step + level))
+                pending.append(self._request())
+            if not fresh:  # every generator of this step died (or was too stale): ask again
+                continue
 
             advantages = group_advantages(fresh)
             shards, rl_tokens, truncated = rl_shards(
@@ -232,7 +335,7 @@ class Controller:
             sync_seconds = self._push_weights(self.step)
             teacher_stats = self._teacher_round(fresh)
             if level == 0 and self.step < cfg.max_steps:
-                pending.append(self._request(self.step))
+                pending.append(self._request())
 
             sampled = sum(sum(r.loss_mask) for r in fresh)
             record = {
@@ -241,6 +344,8 @@ class Controller:
                 "reward/mean": sum(r.reward for r in fresh) / max(1, len(fresh)),
                 "rollouts": len(fresh),
                 "dropped_stale": self.dropped_stale,
+                "lost_rollouts": self.lost_rollouts,
+                "generator/respawns": self.generators.replaced,
                 "staleness": sum(self.step - 1 - r.version for r in fresh) / max(1, len(fresh)),
                 "tool_errors": sum(r.tool_errors for r in fresh),
                 "replay_pairs": replay_pairs,
@@ -259,9 +364,8 @@ class Controller:
             progress.update(record, cfg.max_steps)
             if self.step % cfg.ckpt.interval == 0 or self.step == cfg.max_steps:
                 self.save()
-        for _, futures in pending:  # rollouts requested past the last step
-            for f in futures:
-                f.get()
+        for requests in pending:  # rollouts requested past the last step
+            self._collect(requests)
 
 
 def _rank0(values: Any) -> Any:
@@ -293,6 +397,8 @@ def train(config: RunConfig) -> Path:
             controller.warm_start()
         with Progress(config.metrics.progress, start=controller.step) as progress:
             controller.train(progress)
+    except SupervisionError as exc:  # generators and teachers are handled where called: a trainer died
+        raise controller.trainer_lost(exc) from None
     finally:
         controller.shutdown()
     plot(run.root)

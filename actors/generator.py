@@ -36,8 +36,8 @@ def make_engine(config: RunConfig, model_path: str) -> Any:
 
 
 class GeneratorActor(Actor):
-    def __init__(self, config: RunConfig, model_path: str) -> None:
-        self.rank = current_rank().rank
+    def __init__(self, config: RunConfig, model_path: str, rank: int | None = None) -> None:
+        self.rank = current_rank().rank if rank is None else rank  # a replacement keeps the rank it replaces
         self.config = config
         torch.set_num_threads(max(1, torch.get_num_threads() // max(1, config.topology.generator.procs)))
         self.engine = make_engine(config, model_path)

@@ -418,10 +418,10 @@ def hf_generate_fn(path: str, max_new_tokens: int = 128) -> Callable[[list[Messa
 class TeacherActor(Actor):
     """The teacher-replay mesh's actor: the configured teachers, one shared cost meter and disk cache."""
 
-    def __init__(self, config: Any, model_path: str, cache_path: str) -> None:
+    def __init__(self, config: Any, model_path: str, cache_path: str, rank: int | None = None) -> None:
         from meshrl.actors.generator import make_task
 
-        self.rank = current_rank().rank
+        self.rank = current_rank().rank if rank is None else rank  # a replacement keeps the rank it replaces
         meter = CostMeter(config.teachers.usd_ceiling)
         task = None
         self.teachers: list[Teacher] = []

@@ -19,6 +19,7 @@ CONFIG_FORMS = """config sources, applied left to right:
   --section.key VALUE   a dotted override (kebab-case works too: --loss.kl-tau 0.01;
                         lists and dicts as JSON; a bare --flag means true)"""
 
+EXIT_STOPPED = 3  # a trainer process or a worker host was lost; the message says how to resume
 EXIT_CONFIG = 2
 EXIT_TRACES = 1
 
@@ -84,8 +85,13 @@ def _cmd_config_keys(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     config = load_config(args.sources)
     from meshrl.actors.controller import train  # torch and Monarch load only when training
+    from meshrl.topology.faults import RunStopped
 
-    run = train(config)
+    try:
+        run = train(config)
+    except RunStopped as exc:
+        print(f"meshrl: run stopped: {exc}", file=sys.stderr)
+        return EXIT_STOPPED
     print(f"run finished: {run}")
     return 0
 

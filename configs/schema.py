@@ -186,6 +186,9 @@ class ReplayChannel(Section):
     beta: float = Field(0.1, gt=0, description="Inverse temperature of the pairwise logit.")
     gamma: float = Field(1.0, ge=0, description="SimPO target margin γ (ignored by DPO).")
     label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="Conservative-DPO label smoothing (DPO only).")
+    rpo_alpha: float = Field(
+        0.0, ge=0, description="Weight of the chosen responses' mean token NLL added to the pairwise loss (RPO; 0 = off)."
+    )
 
 
 class SdpoChannel(Section):
@@ -269,6 +272,9 @@ class TeachersConfig(Section):
     min_agree: int = Field(2, ge=1, description="k: teachers that must agree on an action to mine a pair.")
     usd_ceiling: float = Field(10.0, ge=0, description="Stop calling paid endpoints past this spend.")
     states_per_step: int = Field(8, ge=1, description="Trace states sent to the teachers per step.")
+    wait_s: float = Field(
+        5.0, ge=0, description="Seconds a step waits for the teachers' answers; later ones are mined a step later."
+    )
 
 
 # --------------------------------------------------------------------------- task, ckpt, metrics

@@ -148,6 +148,7 @@ def _replay_channel(
         beta=channel.beta,
         gamma=channel.gamma,
         label_smoothing=channel.label_smoothing,
+        rpo_alpha=channel.rpo_alpha,
         ref_chosen=refs["chosen"],
         ref_rejected=refs["rejected"],
     )

@@ -74,20 +74,27 @@ def replay_loss(
     beta: float = 0.1,
     gamma: float = 1.0,
     label_smoothing: float = 0.0,
+    rpo_alpha: float = 0.0,
     ref_chosen: Tensor | None = None,
     ref_rejected: Tensor | None = None,
 ) -> LossOutputs:
     """The replay channel from per-token logprobs (B, T) and response masks.
 
     `ref_chosen` / `ref_rejected` are the reference's *summed* response logprobs (B,),
-    precomputed or from a frozen model; DPO refuses to run without them.
+    precomputed or from a frozen model; DPO refuses to run without them. `rpo_alpha` > 0
+    adds α·(mean per-token NLL of the chosen responses), RPO's (and TRL's `rpo_alpha`)
+    guard against the pairwise loss pushing the chosen response down along with the rejected.
     """
     chosen, chosen_len = sequence_logprob(chosen_logprobs, chosen_mask)
     rejected, rejected_len = sequence_logprob(rejected_logprobs, rejected_mask)
     if variant == "simpo":
-        return simpo_loss(chosen, rejected, chosen_len, rejected_len, beta=beta, gamma=gamma)
-    if variant != "dpo":
+        out = simpo_loss(chosen, rejected, chosen_len, rejected_len, beta=beta, gamma=gamma)
+    elif variant != "dpo":
         raise ValueError(f"unknown replay variant {variant!r} (expected 'dpo' or 'simpo')")
-    if ref_chosen is None or ref_rejected is None:
+    elif ref_chosen is None or ref_rejected is None:
         raise ValueError("DPO needs reference logprobs for both responses (or use variant 'simpo')")
-    return dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta=beta, label_smoothing=label_smoothing)
+    else:
+        out = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta=beta, label_smoothing=label_smoothing)
+    nll = -(chosen / chosen_len.clamp_min(1)).mean()
+    out.metrics["replay/chosen_nll"] = nll.detach()
+    return LossOutputs(loss=out.loss + rpo_alpha * nll, metrics=out.metrics) if rpo_alpha > 0 else out

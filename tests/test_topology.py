@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import stat
 import subprocess
@@ -91,19 +92,30 @@ def test_slurm_request_from_the_config(tmp_path):
     assert "srun /opt/venv/bin/python" in request
 
 
-def _free_port() -> int:
+def free_address(scheme: str = "tcp") -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return f"{scheme}://127.0.0.1:{s.getsockname()[1]}"
+
+
+def start_worker(address: str, *tls_args: str) -> subprocess.Popen:
+    """A `meshrl worker` in its own process group: killing the group is losing the host."""
+    return subprocess.Popen([*MESHRL, "worker", "--address", address, *tls_args], cwd=REPO, env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+
+
+def lose_host(worker: subprocess.Popen) -> None:
+    """SIGKILL the worker and every proc it spawned."""
+    try:
+        os.killpg(worker.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    worker.wait()
 
 
 def test_training_across_two_worker_hosts(tmp_path):
-    addresses = [f"tcp://127.0.0.1:{_free_port()}" for _ in range(2)]
-    workers = [
-        subprocess.Popen([*MESHRL, "worker", "--address", a], cwd=REPO, env=ENV, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
-        for a in addresses
-    ]
+    addresses = [free_address() for _ in range(2)]
+    workers = [start_worker(a) for a in addresses]
     try:
         time.sleep(2)
         out = tmp_path / "run"
@@ -120,5 +132,4 @@ def test_training_across_two_worker_hosts(tmp_path):
         assert all(w.poll() is None for w in workers)  # the run frees its meshes; workers stay up
     finally:
         for w in workers:
-            w.kill()
-            w.wait()
+            lose_host(w)

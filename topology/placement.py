@@ -15,6 +15,7 @@ from monarch.actor import attach_to_workers, enable_transport, this_host
 from monarch.job import SlurmJob
 
 from meshrl.configs.schema import ROLES, TopologyConfig
+from meshrl.topology.faults import worker_reachable
 from meshrl.topology.worker import tls_env
 
 
@@ -74,3 +75,27 @@ class Placement:
         place = getattr(self.topology, role)
         hosts = self.hosts if self.topology.mode == "local" else self.hosts.slice(hosts=slice(0, place.hosts))
         return hosts.spawn_procs(per_host={"procs": place.procs})
+
+    def host_index(self, role: str, rank: int) -> int:
+        """The host of a role's flattened rank (ranks run hosts-major)."""
+        return rank // getattr(self.topology, role).procs
+
+    def host_name(self, role: str, rank: int) -> str:
+        """The host of a role's rank as an operator knows it: its worker address where there is one."""
+        index = self.host_index(role, rank)
+        if self.topology.mode == "attach":
+            return self.topology.workers[index]
+        return "this host" if self.topology.mode == "local" else f"SLURM node {index} of job {self.topology.slurm.job_name}"
+
+    def host_alive(self, role: str, rank: int) -> bool:
+        """Whether the host of a role's rank can still run processes (attached workers are probed;
+        this host is alive; a SLURM node is assumed alive until a respawn there fails)."""
+        if self.topology.mode != "attach":
+            return True
+        return worker_reachable(self.topology.workers[self.host_index(role, rank)])
+
+    def replacement_procs(self, role: str, rank: int) -> Any:
+        """One fresh proc on the host of a role's rank, for an actor replacing a dead one."""
+        index = self.host_index(role, rank)
+        hosts = self.hosts if self.topology.mode == "local" else self.hosts.slice(hosts=slice(index, index + 1))
+        return hosts.spawn_procs(per_host={"procs": 1})

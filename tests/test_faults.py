@@ -1,0 +1,85 @@
+"""Faults a long run meets, each through real processes: SIGKILLed generator and teacher
+actors, teacher endpoints that hang or answer garbage, a lost worker host, a killed controller.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from test_train import ENV, MESHRL, REPO, SMALL, records
+
+
+class _BadEndpoint(BaseHTTPRequestHandler):
+    """/hang/… never answers in time; /garbage/… answers 200 with text that is no chat completion."""
+
+    def do_POST(self) -> None:  # noqa: N802 - the http.server hook name
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        if self.path.startswith("/hang/"):
+            time.sleep(3)
+        body = b"<html>surprise</html>"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def _wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while True:
+        metrics = out / "metrics.jsonl"
+        if metrics.exists() and len(metrics.read_text().splitlines()) > step:
+            return
+        assert proc.poll() is None, f"the run ended before step {step}: rc {proc.returncode}"
+        assert time.time() < deadline, f"no step {step} within {timeout} s"
+        time.sleep(0.2)
+
+
+def _pid(out: Path, role: str) -> int:
+    (actor,) = [a for a in json.loads((out / "topology.json").read_text())["actors"] if a["role"] == role]
+    return actor["pid"]
+
+
+def test_killed_generator_and_teacher_and_bad_endpoints_do_not_stop_training(tmp_path):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _BadEndpoint)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    bad = {"backend": "openai", "model": "m", "timeout_s": 0.3, "max_retries": 0}
+    members = [{"backend": "oracle", "name": "oracle_a"}, {"backend": "oracle", "name": "oracle_b"},
+               {**bad, "name": "hangs", "base_url": f"{url}/hang/v1"},
+               {**bad, "name": "garbage", "base_url": f"{url}/garbage/v1"}]  # fmt: skip
+    out = tmp_path / "run"
+    args = [*MESHRL, "train", *SMALL, "--output-dir", str(out), "--max-steps", "10", "--ckpt.interval", "100",
+            "--teachers.members", json.dumps(members), "--teachers.states_per_step", "2"]  # fmt: skip
+    log = (tmp_path / "train.log").open("w")
+    proc = subprocess.Popen(args, cwd=REPO, env=ENV, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        _wait_for_step(out, 1, proc)
+        generator, teacher = _pid(out, "generator"), _pid(out, "teacher")
+        os.kill(generator, signal.SIGKILL)
+        _wait_for_step(out, 5, proc)
+        os.kill(teacher, signal.SIGKILL)
+        assert proc.wait(timeout=240) == 0, (tmp_path / "train.log").read_text()[-3000:]
+    finally:
+        proc.kill()
+        server.shutdown()
+
+    metrics = records(out)
+    assert [r["step"] for r in metrics] == list(range(10))  # none lost, none twice
+    last = metrics[-1]
+    assert last["generator/respawns"] == 1
+    assert last["lost_rollouts"] >= 1  # the dead generator's in-flight request
+    assert last["teacher/actor_failures"] == 1
+    assert last["teacher/failures"] >= 2  # the hanging and the garbage endpoint, counted
+    assert _pid(out, "generator") != generator and _pid(out, "teacher") != teacher  # topology.json follows
+    killed_teacher_at = next(r["step"] for r in metrics if r["teacher/actor_failures"])
+    assert any(r["replay_pairs"] for r in metrics if r["step"] > killed_teacher_at)  # the replacement answers
