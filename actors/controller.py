@@ -34,7 +34,7 @@ from meshrl.actors.trainer import TrainerActor
 from meshrl.configs.loader import to_toml
 from meshrl.configs.schema import RunConfig
 from meshrl.models.tiny import ensure_tiny
-from meshrl.topology.faults import RunStopped, SupervisionError, install_fault_hook
+from meshrl.topology.faults import HostLost, RunStopped, SupervisionError, install_fault_hook
 from meshrl.topology.placement import Placement
 from meshrl.topology.pool import ActorPool
 from meshrl.traces.collator import TraceCollator
@@ -106,22 +106,25 @@ class Controller:
         """A dead generator or teacher rank: stop the run if its host is gone, else respawn it there."""
         role = pool.role
         if not self.placement.host_alive(role, rank):
-            self._stop_for_lost_host(role, rank)
+            raise HostLost(self.placement.host_name(role, rank), role, rank, "its worker does not answer")
         try:
             info = pool.replace(rank)
         except Exception as exc:  # noqa: BLE001 - a host that cannot start a proc is as good as lost
-            self._stop_for_lost_host(role, rank, f"{type(exc).__name__}: {exc}")
+            raise HostLost(self.placement.host_name(role, rank), role, rank, f"{type(exc).__name__}: {exc}") from None
         self.actors = [a for a in self.actors if (a["role"], a["rank"]) != (role, rank)] + [info]
         self.run.write_topology(self.actors)
 
-    def _stop_for_lost_host(self, role: str, rank: int, why: str = "its worker does not answer") -> None:
-        """Checkpoint (the trainers are alive) and stop, naming the host."""
-        host = self.placement.host_name(role, rank)
+    def stop_for_lost_host(self, lost: HostLost) -> RunStopped:
+        """Checkpoint if the trainers still can, and say which host was lost and where to resume."""
         latest = self.run.latest_checkpoint()
-        if latest is None or latest.name != f"step_{self.step}":
-            self.save()
-        raise RunStopped(
-            f"worker host {host} is lost ({role} rank {rank}; {why}). Saved checkpoint step {self.step}; "
+        try:
+            if latest is None or latest.name != f"step_{self.step}":
+                self.save()
+            saved = f"Saved checkpoint step {self.step};"
+        except SupervisionError as exc:  # the trainers were on that host too
+            saved = f"no checkpoint could be taken ({exc}); newest complete: {latest.name if latest else 'none'};"
+        return RunStopped(
+            f"worker host {lost.host} is lost ({lost.role} rank {lost.rank}; {lost.why}). {saved} "
             "start `meshrl worker` there again and rerun with --resume."
         )
 
@@ -332,8 +335,12 @@ class Controller:
             metrics = _rank0(self.trainers.train_step.call(shards, aux, rl_tokens).get())
             train_seconds = time.perf_counter() - train_start
             self.step += 1
-            sync_seconds = self._push_weights(self.step)
-            teacher_stats = self._teacher_round(fresh)
+            lost = None
+            try:
+                timings = {"time/weight_sync": self._push_weights(self.step)}
+                teacher_stats = self._teacher_round(fresh)
+            except HostLost as exc:  # record the step trained before stopping, so resume has no gap
+                lost, timings, teacher_stats = exc, {}, {}
             if level == 0 and self.step < cfg.max_steps:
                 pending.append(self._request())
 
@@ -358,10 +365,12 @@ class Controller:
                 "time/step": time.perf_counter() - step_start,
                 "time/generate": gen_seconds,
                 "time/train": train_seconds,
-                "time/weight_sync": sync_seconds,
+                **timings,
             }
             self.run.append_metrics(record)
             progress.update(record, cfg.max_steps)
+            if lost is not None:
+                raise lost
             if self.step % cfg.ckpt.interval == 0 or self.step == cfg.max_steps:
                 self.save()
         for requests in pending:  # rollouts requested past the last step
@@ -397,6 +406,8 @@ def train(config: RunConfig) -> Path:
             controller.warm_start()
         with Progress(config.metrics.progress, start=controller.step) as progress:
             controller.train(progress)
+    except HostLost as lost:
+        raise controller.stop_for_lost_host(lost) from None
     except SupervisionError as exc:  # generators and teachers are handled where called: a trainer died
         raise controller.trainer_lost(exc) from None
     finally:

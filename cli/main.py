@@ -84,6 +84,11 @@ def _cmd_config_keys(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     config = load_config(args.sources)
+    tls = config.topology.tls
+    if any(address.startswith("tls://") for address in config.topology.workers):
+        from meshrl.topology.worker import tls_env
+
+        os.environ.update(tls_env(tls.cert, tls.key, tls.ca))  # Monarch reads them when it loads, just below
     from meshrl.actors.controller import train  # torch and Monarch load only when training
     from meshrl.topology.faults import RunStopped
 

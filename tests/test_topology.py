@@ -133,3 +133,75 @@ def test_training_across_two_worker_hosts(tmp_path):
     finally:
         for w in workers:
             lose_host(w)
+
+
+def _certificates(directory, ca_name: str, names: list[str]) -> dict[str, list[str]]:
+    """A CA and, per name, a certificate it signs for 127.0.0.1: {name: [cert, key, ca]} PEM paths."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def build(subject: str, key, issuer: str, signer, ca: bool) -> x509.Certificate:
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+            .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
+        if not ca:
+            san = [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
+            builder = builder.add_extension(x509.SubjectAlternativeName(san), critical=False)
+        return builder.sign(signer, hashes.SHA256())
+
+    def write(path, data: bytes) -> str:
+        path.write_bytes(data)
+        return str(path)
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_cert = build(ca_name, ca_key, ca_name, ca_key, ca=True)
+    ca_path = write(directory / f"{ca_name}.pem", ca_cert.public_bytes(serialization.Encoding.PEM))
+    files = {}
+    for name in names:
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = build(name, key, ca_name, ca_key, ca=False)
+        key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        files[name] = [write(directory / f"{name}.crt", cert.public_bytes(serialization.Encoding.PEM)),
+                       write(directory / f"{name}.key", key_pem), ca_path]  # fmt: skip
+    return files
+
+
+def test_tls_mesh_trains_and_refuses_a_controller_from_another_ca(tmp_path):
+    certs = _certificates(tmp_path, "mesh-ca", ["worker", "controller"])
+    rogue = _certificates(tmp_path, "other-ca", ["rogue"])["rogue"]
+    address = free_address("tls")
+    worker = start_worker(address, *(f"--tls-{k}={v}" for k, v in zip(("cert", "key", "ca"), certs["worker"])))
+    base = [*MESHRL, "train", *SMALL, "--max-steps", "1", "--topology.mode", "attach",
+            "--topology.workers", json.dumps([address]), "--topology.attach_timeout_s", "15"]  # fmt: skip
+
+    def controller(out, cert: list[str]) -> subprocess.CompletedProcess:
+        tls = [f"--topology.tls.{k}={v}" for k, v in zip(("cert", "key", "ca"), cert)]
+        return subprocess.run([*base, "--output-dir", str(out), *tls], capture_output=True, text=True, timeout=240,
+                              cwd=REPO, env=ENV)  # fmt: skip
+
+    try:
+        time.sleep(2)
+        trusted = controller(tmp_path / "trusted", certs["controller"])
+        assert trusted.returncode == 0, trusted.stderr[-3000:]
+        actors = json.loads((tmp_path / "trusted" / "topology.json").read_text())["actors"]
+        assert {a["worker"] for a in actors} == {address}
+        refused = controller(tmp_path / "refused", rogue)
+        assert refused.returncode != 0
+        assert f"could not attach to topology.workers ['{address}']" in refused.stderr
+        assert worker.poll() is None  # the worker turned the stranger away and lives on
+    finally:
+        lose_host(worker)

@@ -16,12 +16,20 @@ from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionErr
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RunStopped", "SupervisionError", "install_fault_hook", "worker_reachable"]
+__all__ = ["HostLost", "RunStopped", "SupervisionError", "install_fault_hook", "worker_reachable"]
 
 
 class RunStopped(RuntimeError):
     """The run cannot go on (a trainer process or a worker host is gone); the message says
     what was lost, which checkpoint holds the run, and how to continue."""
+
+
+class HostLost(Exception):
+    """A host of the run is gone; the controller checkpoints if it can and stops with `RunStopped`."""
+
+    def __init__(self, host: str, role: str, rank: int, why: str) -> None:
+        super().__init__(f"{host} ({role} rank {rank}): {why}")
+        self.host, self.role, self.rank, self.why = host, role, rank, why
 
 
 def _log_failure(failure: monarch.actor.MeshFailure) -> None:

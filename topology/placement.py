@@ -56,8 +56,12 @@ class Placement:
     def _attach(self) -> Any:
         topology = self.topology
         scheme = topology.workers[0].partition("://")[0]
-        if scheme == "tls":
-            os.environ.update(tls_env(topology.tls.cert, topology.tls.key, topology.tls.ca))  # read on first use
+        wanted = tls_env(topology.tls.cert, topology.tls.key, topology.tls.ca) if scheme == "tls" else {}
+        if any(os.environ.get(name) != path for name, path in wanted.items()):
+            raise RuntimeError(
+                f"tls:// workers: set {', '.join(f'{k}={v}' for k, v in wanted.items())} before Monarch is "
+                "imported (it reads them when it loads); `meshrl train` does so from topology.tls"
+            )
         enable_transport(topology.controller_address or f"{scheme}://127.0.0.1:0")
         hosts = attach_to_workers(ca="trust_all_connections", workers=topology.workers, name="meshrl")
         try:

@@ -11,8 +11,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from monarch.actor import run_worker_loop_forever
-
 WORKER_ENV = "MESHRL_WORKER"  # the worker's address, inherited by the procs it spawns (topology.json)
 LOOPBACK = {"127.0.0.1", "localhost", "::1", "[::1]"}
 TLS_FILES = {"cert": "HYPERACTOR_TLS_CERT", "key": "HYPERACTOR_TLS_KEY", "ca": "HYPERACTOR_TLS_CA"}
@@ -56,4 +54,7 @@ def serve(address: str, *, cert: str | None = None, key: str | None = None, ca: 
                 raise ValueError(f"--tls-{name}: no such file: {path}")
         os.environ.update(tls_env(*(Path(path).resolve() for path in files.values())))
     os.environ[WORKER_ENV] = address
+    # Monarch reads its TLS settings when it loads, so it is imported only now.
+    from monarch.actor import run_worker_loop_forever
+
     run_worker_loop_forever(address=address, ca="trust_all_connections")
