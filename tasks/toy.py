@@ -79,6 +79,7 @@ class ToolTask:
         value_len: int = 2,
         max_turns: int = 3,
         recovery_rate: float = 0.3,
+        guess_rate: float = 0.0,
     ) -> None:
         if not 1 <= n_keys <= 25 * key_len:
             raise ValueError(f"n_keys must be in [1, {25 * key_len}] so a misspelled key can miss the store")
@@ -88,11 +89,14 @@ class ToolTask:
             raise ValueError("max_turns must be at least 2: a lookup and an answer")
         if not 0.0 <= recovery_rate <= 1.0 or (recovery_rate > 0 and max_turns < 3):
             raise ValueError("recovery_rate must be in [0, 1], and recoveries need max_turns >= 3")
+        if not 0.0 <= guess_rate <= 1.0:
+            raise ValueError("guess_rate must be in [0, 1]")
         self.n_keys = n_keys
         self.key_len = key_len
         self.value_len = value_len
         self.max_turns = max_turns
         self.recovery_rate = recovery_rate
+        self.guess_rate = guess_rate
 
     def sample_prompts(self, rng: random.Random, n: int) -> list[Prompt]:
         return [self._prompt(rng) for _ in range(n)]
@@ -133,12 +137,17 @@ class ToolTask:
         return (WELL_FORMED_REWARD if asked else 0.0) + (RIGHT_KEY_REWARD if prompt.info["key"] in asked else 0.0)
 
     def demonstrations(self, rng: random.Random, n: int) -> list[TraceExample]:
-        """Correct episodes; about `recovery_rate` of them first miscopy the key and recover.
+        """Episodes of the prompts `sample_prompts` draws from the same rng state.
 
-        They are episodes of the prompts `sample_prompts` draws from the same rng state.
+        About `guess_rate` of them answer at once with a value from memory (a shortcut real
+        traces carry; usually wrong, rewarded as the rubric says), the others are correct,
+        about `recovery_rate` of those after miscopying the key and recovering.
         """
         demos = []
         for prompt in self.sample_prompts(rng, n):
+            if self.guess_rate and rng.random() < self.guess_rate:
+                demos.append(self._guess(rng, prompt))
+                continue
             keys = [prompt.info["key"]]
             if rng.random() < self.recovery_rate:
                 keys.insert(0, self._misspelled(rng, prompt))
@@ -156,6 +165,13 @@ class ToolTask:
                 TraceExample(trace_id=prompt.prompt_id, source=SOURCE, turns=turns, final_reward=ANSWER_REWARD)
             )
         return demos
+
+    def _guess(self, rng: random.Random, prompt: Prompt) -> TraceExample:
+        guess = str(rng.randrange(10 ** (self.value_len - 1), 10**self.value_len))
+        turns = [Turn(role=m["role"], content=m["content"]) for m in prompt.messages]
+        turns.append(Turn(role="assistant", content=guess))
+        reward = self.reward(prompt, [*prompt.messages, {"role": "assistant", "content": guess}])
+        return TraceExample(trace_id=prompt.prompt_id, source=SOURCE, turns=turns, final_reward=reward)
 
     @staticmethod
     def _misspelled(rng: random.Random, prompt: Prompt) -> str:

@@ -35,6 +35,20 @@ def test_conservative_dpo_label_smoothing():
     assert out.loss.item() == pytest.approx(-0.8 * _log_sigmoid(1.0) - 0.2 * _log_sigmoid(-1.0), abs=1e-6)
 
 
+@pytest.mark.parametrize("variant", ["dpo", "simpo"])
+def test_rpo_alpha_adds_the_chosen_mean_token_nll(variant):
+    chosen = torch.tensor([[-1.0, -3.0, -9.0]], requires_grad=True)
+    rejected = torch.tensor([[-2.0, -2.0, -2.0]])
+    mask = torch.tensor([[True, True, False]])
+    ref = {"ref_chosen": torch.tensor([-4.0]), "ref_rejected": torch.tensor([-4.0])} if variant == "dpo" else {}
+    plain = replay_loss(chosen, mask, rejected, mask, variant=variant, **ref)
+    rpo = replay_loss(chosen, mask, rejected, mask, variant=variant, rpo_alpha=0.5, **ref)
+    assert rpo.metrics["replay/chosen_nll"].item() == pytest.approx(2.0)  # (1 + 3) / 2 response tokens
+    assert rpo.loss.item() == pytest.approx(plain.loss.item() + 0.5 * 2.0)
+    rpo.loss.backward()
+    assert chosen.grad[0, 2] == 0  # the prompt token gets nothing
+
+
 def test_simpo_is_length_normalised_with_margin():
     out = simpo_loss(torch.tensor([-6.0]), torch.tensor([-6.0]), torch.tensor([3.0]), torch.tensor([2.0]),
                      beta=2.0, gamma=0.5)  # fmt: skip

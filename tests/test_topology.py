@@ -92,6 +92,18 @@ def test_slurm_request_from_the_config(tmp_path):
     assert "srun /opt/venv/bin/python" in request
 
 
+def test_a_worker_is_reachable_only_while_its_port_listens():
+    from meshrl.topology.faults import worker_reachable
+
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        assert worker_reachable(f"tls://127.0.0.1:{port}")
+        assert worker_reachable(f"tcp://127.0.0.1:{port}@tcp://0.0.0.0:{port}")  # dial@bind: the dial part
+    assert not worker_reachable(f"tcp://127.0.0.1:{port}", timeout_s=1.0)
+
+
 def free_address(scheme: str = "tcp") -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

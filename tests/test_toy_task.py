@@ -81,7 +81,7 @@ def test_prompts_are_well_formed(key_len):
 
 
 @pytest.mark.parametrize("kwargs", [{"n_keys": 0}, {"n_keys": 60}, {"max_turns": 1}, {"value_len": 0},
-                                    {"recovery_rate": 1.5}, {"max_turns": 2}])  # fmt: skip
+                                    {"recovery_rate": 1.5}, {"max_turns": 2}, {"guess_rate": -0.1}])  # fmt: skip
 def test_rejects_impossible_settings(kwargs):
     with pytest.raises(ValueError):
         ToolTask(**kwargs)
@@ -188,6 +188,19 @@ def test_demonstrations_replay_and_score_one():
         assert [t.tool_error for t in demo.turns].count(None) == len(demo.turns) - len(errors)
         assert task.reward(prompt, [to_message(t) for t in demo.turns]) == 1.0
     assert 0.2 < recoveries / len(demos) < 0.4
+
+
+def test_guessing_demonstrations_answer_at_once_and_carry_their_reward():
+    task = ToolTask(guess_rate=0.5)
+    rng = random.Random(3)
+    demos = task.demonstrations(rng, 400)
+    guesses = [d for d in demos if [t.role for t in d.turns] == ["system", "user", "assistant"]]
+    assert 0.4 < len(guesses) / len(demos) < 0.6
+    for demo, prompt in zip(demos, task.sample_prompts(random.Random(3), 400)):
+        assert demo.final_reward == task.reward(prompt, [to_message(t) for t in demo.turns])
+    assert sum(d.final_reward == 1.0 for d in guesses) < 0.1 * len(guesses)  # a guess is rarely the value
+    assert all(d.final_reward == 1.0 for d in demos if d not in guesses)
+    assert task.demonstrations(random.Random(3), 5) == ToolTask(guess_rate=0.5).demonstrations(random.Random(3), 5)
 
 
 def test_demonstration_is_short(tokenizer):
