@@ -91,7 +91,7 @@ class Controller:
         self.run.write_topology(self.actors)
 
     def shutdown(self) -> None:
-        for pool in (getattr(self, "generators", None), self.teachers if hasattr(self, "teachers") else None):
+        for pool in (getattr(self, "generators", None), getattr(self, "teachers", None)):
             if pool is not None:
                 pool.stop()
         if getattr(self, "trainer_procs", None) is not None:
@@ -130,8 +130,9 @@ class Controller:
 
     def trainer_lost(self, error: Exception) -> RunStopped:
         """A trainer process died: no checkpoint can be taken; name a lost host if there is one."""
-        ranks = range(self.config.topology.trainer.size)
-        lost = sorted({self.placement.host_name("trainer", r) for r in ranks if not self.placement.host_alive("trainer", r)})
+        place = self.config.topology.trainer
+        firsts = range(0, place.size, place.procs)  # one rank per host: each host is probed once
+        lost = [self.placement.host_name("trainer", r) for r in firsts if not self.placement.host_alive("trainer", r)]
         where = f"worker host {', '.join(lost)} is lost" if lost else "a trainer process died"
         latest = self.run.latest_checkpoint()
         resume = f"checkpoint {latest.name}" if latest is not None else "no checkpoint yet (rerun starts over)"
@@ -212,9 +213,8 @@ class Controller:
 
     def _teacher_round(self, rollouts: list[Rollout]) -> dict[str, float]:
         """Collect last step's teacher answers as pairs; send this step's imperfect states."""
-        stats: dict[str, float] = {}
         if self.teachers is None:
-            return stats
+            return {}
         if self.pending_teacher is not None:
             actor, future, states = self.pending_teacher
             try:

@@ -14,12 +14,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture
-def tiny_lm() -> LlamaForCausalLM:
-    """A randomly initialised two-layer Llama built in memory: nothing is downloaded."""
-    torch.manual_seed(0)
+TINY_VOCAB = 97
+
+
+def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
+    """A randomly initialised float64 two-layer Llama built in memory: nothing is downloaded."""
+    torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=97,
+        vocab_size=TINY_VOCAB,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
@@ -29,3 +31,8 @@ def tiny_lm() -> LlamaForCausalLM:
         tie_word_embeddings=False,
     )
     return LlamaForCausalLM(config).double()
+
+
+@pytest.fixture
+def tiny_lm() -> LlamaForCausalLM:
+    return tiny_llama(0)

@@ -4,30 +4,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from conftest import TINY_VOCAB, tiny_llama
+from transformers import LlamaForCausalLM
 
 from meshrl.actors.hf_engine import HFEngine
 from meshrl.models.tiny import ensure_tiny, load_tokenizer
 
-VOCAB = 97
+VOCAB = TINY_VOCAB
 EOS = 96
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 22, 23], [30]]  # different lengths: left padding
 
 
-def tiny_llama(seed: int) -> LlamaForCausalLM:
-    """A float64 two-layer Llama; the head is scaled up so distributions are peaked and top-p drops many tokens."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config).double()
+def peaked_llama(seed: int) -> LlamaForCausalLM:
+    """conftest's tiny Llama with the head scaled up, so distributions are peaked and top-p drops many tokens."""
+    model = tiny_llama(seed)
     with torch.no_grad():
         model.lm_head.weight.mul_(8)
     return model
@@ -35,7 +25,7 @@ def tiny_llama(seed: int) -> LlamaForCausalLM:
 
 @pytest.fixture
 def model() -> LlamaForCausalLM:
-    return tiny_llama(0)
+    return peaked_llama(0)
 
 
 def engine_for(model: LlamaForCausalLM, eos: int = EOS) -> HFEngine:
@@ -135,7 +125,7 @@ def test_a_tiny_top_p_samples_the_greedy_chain_with_certainty(model):
 
 def test_load_weights_swaps_the_policy_and_sets_the_version(model):
     engine = engine_for(model)
-    other = tiny_llama(1)
+    other = peaked_llama(1)
     before = engine.generate(PROMPTS, temperature=0.0, top_p=1.0, max_new_tokens=8)
     assert engine.version == 0
 
@@ -148,7 +138,7 @@ def test_load_weights_swaps_the_policy_and_sets_the_version(model):
 
 def test_a_bad_update_is_refused_whole(model):
     engine = engine_for(model)
-    good = tiny_llama(1).state_dict()
+    good = peaked_llama(1).state_dict()
     snapshot = {name: t.clone() for name, t in model.state_dict().items()}
     with pytest.raises(KeyError, match="not in the model"):
         engine.load_weights({**good, "module.lm_head.weight": good["lm_head.weight"]}, version=1)

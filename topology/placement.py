@@ -77,8 +77,11 @@ class Placement:
     def procs(self, role: str) -> Any:
         """A fresh proc mesh for `role`: `procs` processes on each of its hosts."""
         place = getattr(self.topology, role)
-        hosts = self.hosts if self.topology.mode == "local" else self.hosts.slice(hosts=slice(0, place.hosts))
-        return hosts.spawn_procs(per_host={"procs": place.procs})
+        return self._host_range(0, place.hosts).spawn_procs(per_host={"procs": place.procs})
+
+    def _host_range(self, start: int, stop: int) -> Any:
+        """Hosts [start, stop) of the placement (this host alone in local mode)."""
+        return self.hosts if self.topology.mode == "local" else self.hosts.slice(hosts=slice(start, stop))
 
     def host_index(self, role: str, rank: int) -> int:
         """The host of a role's flattened rank (ranks run hosts-major)."""
@@ -101,5 +104,4 @@ class Placement:
     def replacement_procs(self, role: str, rank: int) -> Any:
         """One fresh proc on the host of a role's rank, for an actor replacing a dead one."""
         index = self.host_index(role, rank)
-        hosts = self.hosts if self.topology.mode == "local" else self.hosts.slice(hosts=slice(index, index + 1))
-        return hosts.spawn_procs(per_host={"procs": 1})
+        return self._host_range(index, index + 1).spawn_procs(per_host={"procs": 1})
