@@ -1,1 +1,1 @@
-"""Monarch actors: generator, trainer and teacher-replay meshes, and the run controller (issue #4)."""
+"""Monarch actors only: generator, trainer and teacher-replay, each a thin shell over a core that runs without Monarch."""

@@ -15,8 +15,8 @@ import statistics
 import sys
 import tempfile
 
-from meshrl.actors.controller import train
-from meshrl.actors.run_dir import RunDir
+from meshrl.run.controller import train
+from meshrl.run.run_dir import RunDir
 from meshrl.configs import load_config
 
 

@@ -89,7 +89,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         from meshrl.topology.worker import tls_env
 
         os.environ.update(tls_env(tls.cert, tls.key, tls.ca))  # Monarch reads them when it loads, just below
-    from meshrl.actors.controller import train  # torch and Monarch load only when training
+    from meshrl.run.controller import train  # torch and Monarch load only when training
     from meshrl.topology.faults import RunStopped
 
     try:
@@ -102,7 +102,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from meshrl.actors.run_dir import plot
+    from meshrl.run.plots import plot
 
     try:
         paths = plot(args.run_dir)

@@ -1,7 +1,7 @@
 """Loss adapters: PRIME-RL's per-sample hook (DPPO+KL, IPO, ref-KL), replay DPO/SimPO,
 SDPO generalized JSD, chunked LM-head logprobs, and the composer the trainer calls."""
 
-from meshrl.loss_adapters.compose import compose_loss, import_object, rl_loss_fn
+from meshrl.loss_adapters.compose import compose_loss, rl_loss_fn
 from meshrl.loss_adapters.logprobs import chunked_token_logprobs, sequence_token_logprobs
 from meshrl.loss_adapters.prime_rl import LossInputs, LossOutputs, ipo_loss_fn, loss_fn, ref_kl_loss_fn
 from meshrl.loss_adapters.replay import dpo_loss, replay_loss, simpo_loss
@@ -14,7 +14,6 @@ __all__ = [
     "compose_loss",
     "dpo_loss",
     "generalized_jsd",
-    "import_object",
     "ipo_loss_fn",
     "loss_fn",
     "ref_kl_loss_fn",

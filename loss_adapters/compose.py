@@ -19,13 +19,13 @@ are (B, T) and aligned with `input_ids`; logprobs at position t are of token t):
 
 from __future__ import annotations
 
-import importlib
 from functools import partial
 from typing import Callable
 
 import torch
 from torch import Tensor, nn
 
+from meshrl.configs.imports import import_object
 from meshrl.configs.schema import CustomLoss, DppoKlLoss, IpoLoss, LossConfig, RefKlLoss
 from meshrl.loss_adapters.logprobs import hidden_states, lm_head_weight, sequence_token_logprobs
 from meshrl.loss_adapters.prime_rl import LossInputs, LossOutputs, ipo_loss_fn, loss_fn, ref_kl_loss_fn
@@ -35,21 +35,6 @@ from meshrl.loss_adapters.sdpo import generalized_jsd
 RL_KEYS = ("input_ids", "loss_mask", "advantages", "inference_logprobs")
 REPLAY_KEYS = ("dpo_chosen_input_ids", "dpo_chosen_response_mask", "dpo_rejected_input_ids", "dpo_rejected_response_mask")
 SDPO_KEYS = ("sdpo_student_input_ids", "sdpo_teacher_input_ids", "sdpo_loss_mask")
-
-
-def import_object(path: str) -> object:
-    """Resolve 'pkg.mod.name' or 'pkg.mod:name'."""
-    module_name, sep, name = path.partition(":") if ":" in path else path.rpartition(".")
-    if not module_name or not name:
-        raise ValueError(f"import path {path!r} must look like 'pkg.module.name' or 'pkg.module:name'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"cannot import module {module_name!r} of {path!r}: {exc}") from exc
-    try:
-        return getattr(module, name)
-    except AttributeError:
-        raise ValueError(f"module {module_name!r} has no attribute {name!r} (from {path!r})") from None
 
 
 def rl_loss_fn(config: LossConfig) -> Callable[[LossInputs], LossOutputs]:

@@ -1,1 +1,1 @@
-"""Tasks (environments) a run trains on: the protocol and the built-in toy agentic task."""
+"""Tasks (environments) a run trains on: the protocol, loading one by import path, and the built-in toy agentic task."""

@@ -16,6 +16,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from meshrl.configs.imports import import_object
+from meshrl.configs.schema import TaskConfig
 from meshrl.traces.schema import TraceExample
 
 
@@ -65,3 +67,12 @@ class Hinting(Protocol):
     """Tasks that can hint at a tool error's fix (the SDPO teacher's privileged context)."""
 
     def hint(self, error_kind: str, error_meta: dict[str, Any]) -> str | None: ...
+
+
+def make_task(config: TaskConfig) -> Task:
+    """The task factory named by `task.import_path`, called with `task.kwargs`."""
+    try:
+        factory = import_object(config.import_path)
+    except ValueError as exc:
+        raise ValueError(f"task.import_path: {exc}") from None
+    return factory(**config.kwargs)

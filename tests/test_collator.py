@@ -55,7 +55,7 @@ def hint(kind: str, meta: dict) -> str:
 
 def test_loss_mask_covers_exactly_the_assistant_turns(tok):
     trace = _trace(n_errors=2)
-    batch = TraceCollator(tok)([trace])
+    batch = TraceCollator(tok)([trace]).batch
     ids, mask = batch["input_ids"][0], batch["loss_mask"][0]
     assert torch.equal(ids, torch.tensor(tok.apply_chat_template([to_message(t) for t in trace.turns])["input_ids"]))
     assert tok.decode(ids[mask], skip_special_tokens=True) == "".join(_assistant_texts(trace))
@@ -70,13 +70,13 @@ def test_masks_do_not_depend_on_segment_tokenization(tok):
     """A span that starts mid-word in segment tokenization still lines up with the template's tokens."""
     trace = TraceExample(trace_id="x", source="t", turns=[
         {"role": "user", "content": "say ab"}, {"role": "assistant", "content": "abab  ab\n\nab"}])  # fmt: skip
-    batch = TraceCollator(tok)([trace])
+    batch = TraceCollator(tok)([trace]).batch
     assert tok.decode(batch["input_ids"][0][batch["loss_mask"][0]], skip_special_tokens=True) == "abab  ab\n\nab"
 
 
 def test_sdpo_rows_align_recovery_tokens_and_decode_to_the_recovery_text(tok):
     trace = _trace(n_errors=2)
-    batch = TraceCollator(tok, hint_generator=hint)([trace, _trace("t2", n_errors=0)])
+    batch = TraceCollator(tok, hint_generator=hint)([trace, _trace("t2", n_errors=0)]).batch
     student, teacher, mask = batch["sdpo_student_input_ids"], batch["sdpo_teacher_input_ids"], batch["sdpo_loss_mask"]
     assert student.shape == teacher.shape == mask.shape and student.shape[0] == 2  # one row per error site
     recoveries = [t.content for t in trace.turns if t.tool_error]
@@ -98,9 +98,9 @@ def test_sdpo_rows_align_recovery_tokens_and_decode_to_the_recovery_text(tok):
 
 
 def test_no_hint_generator_or_no_error_sites_means_no_sdpo_keys(tok):
-    assert "sdpo_loss_mask" not in TraceCollator(tok)([_trace()])
-    assert "sdpo_loss_mask" not in TraceCollator(tok, hint_generator=hint)([_trace(n_errors=0)])
-    assert "sdpo_loss_mask" not in TraceCollator(tok, hint_generator=lambda k, m: None)([_trace()])
+    assert "sdpo_loss_mask" not in TraceCollator(tok)([_trace()]).batch
+    assert "sdpo_loss_mask" not in TraceCollator(tok, hint_generator=hint)([_trace(n_errors=0)]).batch
+    assert "sdpo_loss_mask" not in TraceCollator(tok, hint_generator=lambda k, m: None)([_trace()]).batch
 
 
 def test_dpo_rows_mask_the_response_after_the_generation_prompt(tok):
@@ -108,7 +108,7 @@ def test_dpo_rows_mask_the_response_after_the_generation_prompt(tok):
     pair = {"state_messages": state, "chosen": {"role": "assistant", "content": "",
             "tool_calls": [{"id": "a", "name": "bash", "arguments": {"cmd": "ls"}}]},
             "rejected": {"role": "assistant", "content": "I cannot do that."}}  # fmt: skip
-    batch = TraceCollator(tok)([], pairs=[pair, pair])
+    batch = TraceCollator(tok)([], pairs=[pair, pair]).batch
     prompt = tok.apply_chat_template(state, add_generation_prompt=True)["input_ids"]
     for side, text in (("chosen", '\n<tool_call>{"name": "bash", "arguments": {"cmd": "ls"}}</tool_call>'),
                        ("rejected", "I cannot do that.")):  # fmt: skip
@@ -119,21 +119,21 @@ def test_dpo_rows_mask_the_response_after_the_generation_prompt(tok):
 
 
 def test_advantages_default_to_reward_minus_batch_mean(tok):
-    batch = TraceCollator(tok)([_trace("a", 1.0), _trace("b", 0.0), _trace("c", None)])
+    batch = TraceCollator(tok)([_trace("a", 1.0), _trace("b", 0.0), _trace("c", None)]).batch
     advs = batch["advantages"]
     assert advs[0][batch["attention_mask"][0] == 1].unique().tolist() == [0.5]
     assert advs[1][batch["attention_mask"][1] == 1].unique().tolist() == [-0.5]
     assert advs[2].abs().sum() == 0 and torch.isnan(batch["rewards"][2])
-    given = TraceCollator(tok)([_trace("a"), _trace("b")], advantages=[2.0, -1.0])["advantages"]
+    given = TraceCollator(tok)([_trace("a"), _trace("b")], advantages=[2.0, -1.0]).batch["advantages"]
     assert given[0, 0] == 2.0 and given[1, 0] == -1.0
 
 
 def test_packing_first_fit_decreasing_with_position_resets(tok):
     traces = [_trace(str(i), n_errors=i % 3) for i in range(7)]
-    plain = TraceCollator(tok)(traces)
+    plain = TraceCollator(tok)(traces).batch
     lengths = plain["attention_mask"].sum(1).tolist()
     budget = max(lengths) + 40
-    packed = TraceCollator(tok, pack_tokens=budget)(traces)
+    packed = TraceCollator(tok, pack_tokens=budget)(traces).batch
     assert packed["input_ids"].shape[1] <= budget
     assert packed["input_ids"].shape[0] < len(traces)
     index = packed["sample_index"]
@@ -148,18 +148,18 @@ def test_packing_first_fit_decreasing_with_position_resets(tok):
 
 def test_truncation_keeps_the_head_and_counts(tok):
     trace = _trace(n_errors=3)
-    full = TraceCollator(tok)([trace])["input_ids"].shape[1]
-    batch = TraceCollator(tok, max_seq_len=full // 2, hint_generator=hint)([trace])
-    assert batch["input_ids"].shape[1] == full // 2 and batch["stats"]["truncated"] == 1
+    full = TraceCollator(tok)([trace]).batch["input_ids"].shape[1]
+    out = TraceCollator(tok, max_seq_len=full // 2, hint_generator=hint)([trace])
+    assert out.batch["input_ids"].shape[1] == full // 2 and out.stats.truncated == 1
     # SDPO rows whose recovery turn would be cut are dropped and counted, never half-kept
-    kept = batch.get("sdpo_teacher_input_ids")
-    assert batch["stats"]["sdpo_dropped"] >= 1
+    kept = out.batch.get("sdpo_teacher_input_ids")
+    assert out.stats.sdpo_dropped >= 1
     assert kept is None or kept.shape[1] <= full // 2
 
 
 def test_trace_logprobs_land_on_assistant_tokens(tok):
     trace = _trace(n_errors=1)
-    plain = TraceCollator(tok)([trace])
+    plain = TraceCollator(tok)([trace]).batch
     n = int(plain["loss_mask"].sum())
     mask = plain["loss_mask"][0]
     # split the n assistant tokens by turn: runs of the mask
@@ -175,12 +175,12 @@ def test_trace_logprobs_land_on_assistant_tokens(tok):
     assistant = [t for t in turns if t["role"] == "assistant"]
     for turn, size in zip(assistant, runs):
         turn["logprobs"] = [next(values) for _ in range(size)]
-    batch = TraceCollator(tok)([{**trace.model_dump(exclude_none=True), "turns": turns}])
+    batch = TraceCollator(tok)([{**trace.model_dump(exclude_none=True), "turns": turns}]).batch
     got = batch["inference_logprobs"][0]
     assert torch.allclose(got[mask], torch.linspace(-3, -0.1, n)) and (got[~mask] == 0).all()
     assistant[0]["logprobs"] = assistant[0]["logprobs"][:-1]
     with pytest.raises(ValueError, match="logprobs"):
-        TraceCollator(tok)([{**trace.model_dump(exclude_none=True), "turns": turns}])
+        TraceCollator(tok)([{**trace.model_dump(exclude_none=True), "turns": turns}]).batch
 
 
 def test_a_template_that_rewrites_content_falls_back_to_exact_rendering(tok):
@@ -192,7 +192,7 @@ def test_a_template_that_rewrites_content_falls_back_to_exact_rendering(tok):
     collator = TraceCollator(stripping)
     text = collator.render([to_message(t) for t in trace.turns])
     assert collator.assistant_spans([to_message(t) for t in trace.turns], text) is None
-    batch = collator([trace])
+    batch = collator([trace]).batch
     assert tok.decode(batch["input_ids"][0][batch["loss_mask"][0]], skip_special_tokens=True) == "padded reply"
 
 

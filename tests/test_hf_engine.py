@@ -7,7 +7,7 @@ import torch
 from conftest import TINY_VOCAB, tiny_llama
 from transformers import LlamaForCausalLM
 
-from meshrl.actors.hf_engine import HFEngine
+from meshrl.inference.hf_engine import HFEngine
 from meshrl.models.tiny import ensure_tiny, load_tokenizer
 
 VOCAB = TINY_VOCAB

@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tomllib
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,14 +27,10 @@ import pytest
 pytestmark = pytest.mark.slow
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-# Source folder -> installed package (mirrors [tool.setuptools.package-dir]).
+# Source folder -> installed package, as [tool.setuptools.package-dir] maps them.
 PACKAGE_DIRS = {
-    "actors": "meshrl/actors",
-    "cli": "meshrl/cli",
-    "configs": "meshrl/configs",
-    "loss_adapters": "meshrl/loss_adapters",
-    "topology": "meshrl/topology",
-    "traces": "meshrl/traces",
+    src: package.replace(".", "/")
+    for package, src in tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].items()
 }
 # Build by-products setuptools leaves in the source tree; removed afterwards if we made them.
 BUILD_LEFTOVERS = ("build", "meshrl.egg-info")

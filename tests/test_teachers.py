@@ -14,20 +14,16 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from meshrl.actors.teachers import (
-    CostMeter,
-    HFTeacher,
-    OpenAITeacher,
-    OracleTeacher,
-    TeacherCache,
-    TeacherStats,
-    cache_key,
-    chat_messages,
-    replay_state,
-)
 from meshrl.configs.schema import HfTeacher as HfTeacherConfig
 from meshrl.configs.schema import OpenAITeacher as OpenAITeacherConfig
 from meshrl.tasks.base import Prompt, ToolResult
+from meshrl.teachers.base import TeacherStats, chat_messages
+from meshrl.teachers.cache import TeacherCache, cache_key
+from meshrl.teachers.cost import CostMeter
+from meshrl.teachers.hf import HFTeacher
+from meshrl.teachers.openai_compat import OpenAITeacher
+from meshrl.teachers.oracle import OracleTeacher
+from meshrl.teachers.replay import replay_state
 from meshrl.traces.schema import ToolCall, TraceExample, Turn
 
 SECRET = "sk-test-9f8e7d6c5b4a-never-leak"

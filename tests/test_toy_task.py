@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from meshrl.models.tiny import build_tokenizer
 from meshrl.tasks.base import Demonstrating, Hinting, Prompt, Task
-from meshrl.tasks.toolcalls import MALFORMED, parse_tool_calls
+from meshrl.inference.toolcalls import MALFORMED, parse_tool_calls
 from meshrl.tasks.toy import LOOKUP, ToolTask
 from meshrl.traces.collator import to_message
 from meshrl.traces.schema import TraceExample

@@ -65,7 +65,7 @@ def test_session_to_gradients(tmp_path):
 
     tok = build_tokenizer(512)
     collator = TraceCollator(tok, hint_generator=lambda kind, meta: f"Hint: {meta['tool_name']} hit {kind}.")
-    batch = collator([example], pairs=[pair])
+    batch = collator([example], pairs=[pair]).batch
     assert {"sdpo_loss_mask", "dpo_chosen_input_ids", "loss_mask"} <= set(batch)
 
     model = build_model(TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4), tok).double()

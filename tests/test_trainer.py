@@ -8,10 +8,11 @@ import torch
 from monarch.actor import this_host
 from monarch.spmd import setup_torch_elastic_env
 
-from meshrl.actors.trainer import TrainerActor, TrainerCore
+from meshrl.actors.trainer import TrainerActor
 from meshrl.configs import load_config
 from meshrl.loss_adapters.logprobs import sequence_token_logprobs
 from meshrl.models.tiny import ensure_tiny
+from meshrl.trainer.core import TrainerCore
 
 TINY = ["--model.tiny.hidden_size", "32", "--model.tiny.num_layers", "2", "--model.tiny.num_heads", "2"]
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from meshrl.actors.completion import Completion
-from meshrl.actors.vllm_engine import from_request_output, request_seeds, to_prompt_inputs, to_sampling_kwargs
+from meshrl.inference.completion import Completion
+from meshrl.inference.vllm_engine import from_request_output, request_seeds, to_prompt_inputs, to_sampling_kwargs
 
 
 # Shapes of vllm.logprobs.Logprob, vllm.outputs.CompletionOutput and vllm.outputs.RequestOutput (fields we read).
@@ -48,7 +48,7 @@ def request_output(prompt, tokens, logprobs, finish_reason="stop", per_position=
 
 def test_importing_the_module_does_not_import_vllm():
     # A fresh interpreter, so other tests that start vLLM cannot have imported it already.
-    check = "import sys, meshrl.actors.vllm_engine; assert 'vllm' not in sys.modules"
+    check = "import sys, meshrl.inference.vllm_engine; assert 'vllm' not in sys.modules"
     subprocess.run([sys.executable, "-c", check], check=True)
 
 
@@ -114,8 +114,8 @@ def test_outputs_that_break_the_contract_are_refused():
 @pytest.mark.slow
 def test_the_engine_on_the_tiny_model(tmp_path):
     pytest.importorskip("vllm")
-    from meshrl.actors.hf_engine import top_p_filter
-    from meshrl.actors.vllm_engine import VLLMEngine
+    from meshrl.inference.hf_engine import top_p_filter
+    from meshrl.inference.vllm_engine import VLLMEngine
     from meshrl.configs.schema import TinyModelConfig
     from meshrl.models.tiny import build_model, build_tokenizer, ensure_tiny
 

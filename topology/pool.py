@@ -38,7 +38,7 @@ class ActorPool:
         procs = self.placement.replacement_procs(self.role, rank)
         self.proc_meshes.append(procs)
         mesh = procs.spawn(self.name, self.actor, *self.args, rank).flatten("rank")
-        info = next(iter(mesh.info.call().get(timeout=timeout_s).values()))
+        info = mesh.info.call().get(timeout=timeout_s).item(rank=0)
         self.ranks[rank] = mesh.slice(rank=0)
         self.replaced += 1
         log.warning("%s rank %d replaced by pid %s on %s", self.role, rank, info.get("pid"), info.get("host"))

@@ -9,11 +9,19 @@ passes `allow_remote_tcp` (a private, trusted network).
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
+from typing import Any
 
 WORKER_ENV = "MESHRL_WORKER"  # the worker's address, inherited by the procs it spawns (topology.json)
 LOOPBACK = {"127.0.0.1", "localhost", "::1", "[::1]"}
 TLS_FILES = {"cert": "HYPERACTOR_TLS_CERT", "key": "HYPERACTOR_TLS_KEY", "ca": "HYPERACTOR_TLS_CA"}
+
+
+def process_info() -> dict[str, Any]:
+    """Where the calling actor runs, for topology.json: host name, pid, and the address of
+    the `meshrl worker` that spawned its process ('local' on the controller's host)."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "worker": os.environ.get(WORKER_ENV, "local")}
 
 
 def tls_env(cert: str | None, key: str | None, ca: str | None) -> dict[str, str]:

@@ -19,13 +19,14 @@ teaches the wrong thing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from meshrl.rollouts.packing import Encoded, pack_rows
 from meshrl.traces.schema import TraceExample, Turn
 
 HintGenerator = Callable[[str, dict[str, Any]], "str | None"]
@@ -48,54 +49,26 @@ def to_message(turn: Turn | Mapping[str, Any]) -> dict[str, Any]:
 
 
 @dataclass
-class Encoded:
-    """One tokenized sequence with its per-token masks."""
+class CollateStats:
+    """What collation left out: RL rows cut to `max_seq_len`, SDPO and DPO rows dropped whole."""
 
-    ids: np.ndarray
-    mask: np.ndarray  # bool: tokens in the loss (assistant turns / recovery turn / response)
-    logprobs: np.ndarray | None = None
+    truncated: int = 0
+    sdpo_dropped: int = 0
+    dpo_dropped: int = 0
+
+    def __iadd__(self, other: CollateStats) -> CollateStats:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        return self
 
 
-def pack_rows(rows: list[Encoded], values: Sequence[float], pack_tokens: int, pad_id: int) -> dict[str, torch.Tensor]:
-    """First-fit-decreasing into rows of ≤ pack_tokens; position ids restart at each sample.
+@dataclass
+class Collated:
+    """The collator's tensors by key (RL/SFT, `sdpo_*`, `dpo_*`; only the channels that got rows)
+    and what it left out."""
 
-    `values` are per-sample advantages, broadcast over each sample's tokens; `sample_index`
-    maps every token to its sample (−1 on padding)."""
-    bins: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(rows)), key=lambda i: -rows[i].ids.size):
-        size = rows[i].ids.size
-        slot = next((b for b, free in enumerate(room) if free >= size), None)
-        if slot is None:
-            bins.append([i])
-            room.append(pack_tokens - size)
-        else:
-            bins[slot].append(i)
-            room[slot] -= size
-    width = max(pack_tokens - free for free in room)
-    out = {
-        "input_ids": torch.full((len(bins), width), pad_id, dtype=torch.long),
-        "position_ids": torch.zeros(len(bins), width, dtype=torch.long),
-        "loss_mask": torch.zeros(len(bins), width, dtype=torch.bool),
-        "advantages": torch.zeros(len(bins), width),
-        "inference_logprobs": torch.zeros(len(bins), width),
-        "sample_index": torch.full((len(bins), width), -1, dtype=torch.long),
-    }
-    for b, members in enumerate(bins):
-        col = 0
-        for i in members:
-            r, n = rows[i], rows[i].ids.size
-            cols = slice(col, col + n)
-            out["input_ids"][b, cols] = torch.from_numpy(r.ids)
-            out["position_ids"][b, cols] = torch.arange(n)
-            out["loss_mask"][b, cols] = torch.from_numpy(r.mask)
-            out["advantages"][b, cols] = values[i]
-            out["sample_index"][b, cols] = i
-            if r.logprobs is not None:
-                out["inference_logprobs"][b, cols] = torch.from_numpy(r.logprobs)
-            col += n
-        out["position_ids"][b, col:] = torch.arange(width - col)  # padding: its own, loss-free sample
-    return out
+    batch: dict[str, torch.Tensor]
+    stats: CollateStats
 
 
 class TraceCollator:
@@ -219,7 +192,7 @@ class TraceCollator:
 
     # ------------------------------------------------------------------ channels
 
-    def _rl(self, examples: Sequence[TraceExample], advantages: Sequence[float] | None, stats: dict[str, int]):
+    def _rl(self, examples: Sequence[TraceExample], advantages: Sequence[float] | None, stats: CollateStats):
         messages = [[to_message(t) for t in ex.turns] for ex in examples]
         texts = [self.render(m) for m in messages]
         encoded = self._encode_all(texts, [self._spans(m, t) for m, t in zip(messages, texts)])
@@ -233,7 +206,7 @@ class TraceCollator:
         elif len(advantages) != len(examples):
             raise ValueError(f"{len(advantages)} advantages for {len(examples)} examples")
         for enc in encoded:
-            stats["truncated"] += self._truncate(enc)
+            stats.truncated += self._truncate(enc)
         return encoded, rewards, list(advantages)
 
     def _trace_logprobs(self, example: TraceExample, enc: Encoded) -> np.ndarray | None:
@@ -259,7 +232,7 @@ class TraceCollator:
             enc.logprobs = enc.logprobs[: self.max_seq_len]
         return True
 
-    def _sdpo(self, examples: Sequence[TraceExample], stats: dict[str, int]) -> tuple[list[Encoded], list[Encoded]]:
+    def _sdpo(self, examples: Sequence[TraceExample], stats: CollateStats) -> tuple[list[Encoded], list[Encoded]]:
         """One (student, teacher) pair per error site: the teacher sees a hint right before the recovery turn."""
         students, teachers = [], []
         for ex in examples:
@@ -283,13 +256,13 @@ class TraceCollator:
             same = np.array_equal(student.ids[student.mask], teacher.ids[teacher.mask])
             too_long = self.max_seq_len is not None and teacher.ids.size > self.max_seq_len
             if not same or too_long:
-                stats["sdpo_dropped"] += 1
+                stats.sdpo_dropped += 1
                 continue
             kept_s.append(student)
             kept_t.append(teacher)
         return kept_s, kept_t
 
-    def _dpo(self, pairs: Iterable[Any], stats: dict[str, int]) -> tuple[list[Encoded], list[Encoded]]:
+    def _dpo(self, pairs: Iterable[Any], stats: CollateStats) -> tuple[list[Encoded], list[Encoded]]:
         """Prompt through the template with a generation prompt; response tokens masked 1."""
         texts, spans = [], []
         for pair in pairs:
@@ -307,7 +280,7 @@ class TraceCollator:
         chosen, rejected = [], []
         for c, r in zip(encoded[0::2], encoded[1::2]):
             if self.max_seq_len is not None and max(c.ids.size, r.ids.size) > self.max_seq_len:
-                stats["dpo_dropped"] += 1
+                stats.dpo_dropped += 1
                 continue
             chosen.append(c)
             rejected.append(r)
@@ -336,12 +309,12 @@ class TraceCollator:
         pairs: Iterable[Any] = (),
         advantages: Sequence[float] | None = None,
         rl: bool = True,
-    ) -> dict[str, Any]:
+    ) -> Collated:
         """Collate. `pairs` are mined DPO pairs (DpoPair or dicts with state_messages/chosen/rejected);
         `advantages` (one per example) default to reward minus the batch's mean reward; `rl=False`
         builds only the SDPO and DPO rows (for rollouts whose RL rows come from their own tokens)."""
         examples = [ex if isinstance(ex, TraceExample) else TraceExample.model_validate(ex) for ex in examples]
-        stats = {"truncated": 0, "sdpo_dropped": 0, "dpo_dropped": 0}
+        stats = CollateStats()
         batch: dict[str, Any] = {}
         if examples and rl:
             rows, rewards, advs = self._rl(examples, advantages, stats)
@@ -380,5 +353,4 @@ class TraceCollator:
                 batch[f"dpo_{side}_input_ids"] = padded["input_ids"]
                 batch[f"dpo_{side}_attention_mask"] = padded["attention_mask"]
                 batch[f"dpo_{side}_response_mask"] = padded["mask"].long()
-        batch["stats"] = stats
-        return batch
+        return Collated(batch, stats)

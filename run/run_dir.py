@@ -12,11 +12,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 from pathlib import Path
 from typing import Any
-
-from meshrl.topology.worker import WORKER_ENV
 
 COMPLETE = "COMPLETE"
 
@@ -28,12 +25,6 @@ def write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def process_info() -> dict[str, Any]:
-    """Where the calling actor runs, for topology.json: host name, pid, and the address of
-    the `meshrl worker` that spawned its process ('local' on the controller's host)."""
-    return {"host": socket.gethostname(), "pid": os.getpid(), "worker": os.environ.get(WORKER_ENV, "local")}
 
 
 class RunDir:
@@ -96,43 +87,7 @@ class RunDir:
         done = self.complete_checkpoints()
         return done[-1] if done else None
 
-    # ------------------------------------------------------------------ topology and plots
+    # ------------------------------------------------------------------ topology
 
     def write_topology(self, actors: list[dict[str, Any]]) -> None:
         write_atomic(self.root / "topology.json", json.dumps({"actors": actors}, indent=2))
-
-
-def plot(run: str | Path) -> list[Path]:
-    """Reward, per-channel losses and throughput curves from metrics.jsonl into DIR/plots/."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    run_dir = RunDir(run)
-    records = run_dir.read_metrics()
-    if not records:
-        raise ValueError(f"{run_dir.metrics_path}: no metrics to plot")
-    out = run_dir.root / "plots"
-    out.mkdir(exist_ok=True)
-    steps = [r["step"] for r in records]
-    figures = {
-        "reward": ["reward/mean"],
-        "losses": ["loss/total", "loss/rl", "loss/replay", "loss/sdpo"],
-        "throughput": ["rollout_tokens_per_s", "train_tokens_per_s"],
-    }
-    written = []
-    for name, keys in figures.items():
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        for key in keys:
-            if any(key in r for r in records):
-                ax.plot(steps, [r.get(key, float("nan")) for r in records], label=key)
-        ax.set_xlabel("step")
-        ax.set_title(name)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = out / f"{name}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
-    return written

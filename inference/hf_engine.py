@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
-from meshrl.actors.completion import Completion, FinishReason, check_sampling
+from meshrl.inference.completion import Completion, FinishReason, check_sampling
 
 
 def top_p_filter(logits: Tensor, top_p: float) -> Tensor:

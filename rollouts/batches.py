@@ -8,29 +8,40 @@ go through the TraceCollator into one auxiliary batch per rank.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 
-from meshrl.actors.rollout import Rollout
-from meshrl.traces.collator import Encoded, TraceCollator, pack_rows
+from meshrl.rollouts.episodes import Rollout
+from meshrl.rollouts.packing import Encoded, pack_rows
+from meshrl.traces.collator import CollateStats, TraceCollator
 from meshrl.traces.errors import ErrorClassifier, mark_error_sites
 from meshrl.traces.schema import TraceExample, Turn
 
 
-def group_advantages(rollouts: Sequence[Rollout]) -> list[float]:
-    """Reward minus the mean reward of the rollouts of the same prompt."""
-    groups: dict[str, list[float]] = defaultdict(list)
-    for r in rollouts:
-        groups[r.prompt.prompt_id].append(r.reward)
-    means = {k: sum(v) / len(v) for k, v in groups.items()}
-    return [r.reward - means[r.prompt.prompt_id] for r in rollouts]
+@dataclass
+class RlShards:
+    """A step's RL micro-batches: a list per trainer rank, the loss-mask tokens over all ranks
+    (the loss normaliser), and how many rollouts were cut to the micro-batch."""
+
+    shards: list[list[dict[str, Any]]]
+    tokens: int
+    truncated: int
+
+
+@dataclass
+class AuxShards:
+    """A step's replay/SDPO batch per trainer rank (None where a rank gets nothing) and what
+    the collator left out."""
+
+    shards: list[dict[str, Any] | None]
+    stats: CollateStats
 
 
 def rl_shards(
     rollouts: Sequence[Rollout], advantages: Sequence[float], micro_batch_tokens: int, pad_id: int, world: int
-) -> tuple[list[list[dict[str, Any]]], int, int]:
+) -> RlShards:
     """Per-rank lists of packed micro-batches, the step's loss-mask token count, and truncations.
 
     Zero-advantage rollouts carry no policy gradient and are left out (PRIME-RL does the same).
@@ -47,11 +58,11 @@ def rl_shards(
         values.append(a)
     shards: list[list[dict[str, Any]]] = [[] for _ in range(world)]
     if not rows:
-        return shards, 0, truncated
+        return RlShards(shards, 0, truncated)
     packed = pack_rows(rows, values, micro_batch_tokens, pad_id)
     for i in range(packed["input_ids"].shape[0]):
         shards[i % world].append({k: v[i : i + 1] for k, v in packed.items() if k != "sample_index"})
-    return shards, int(sum(int(r.mask.sum()) for r in rows)), truncated
+    return RlShards(shards, int(sum(int(r.mask.sum()) for r in rows)), truncated)
 
 
 def rollout_trace(rollout: Rollout, classifier: ErrorClassifier) -> TraceExample:
@@ -63,16 +74,14 @@ def rollout_trace(rollout: Rollout, classifier: ErrorClassifier) -> TraceExample
 
 def aux_shards(
     rollouts: Sequence[Rollout], pairs: Sequence[Any], collator: TraceCollator, world: int, max_sdpo_rows: int
-) -> tuple[list[dict[str, Any] | None], dict[str, int]]:
+) -> AuxShards:
     """Per-rank replay/SDPO batches (None where a rank gets nothing) and the collator's counters."""
     classifier = ErrorClassifier()
     traces = [rollout_trace(r, classifier) for r in rollouts if r.tool_errors]
     traces = [t for t in traces if any(turn.tool_error for turn in t.turns)][:max_sdpo_rows]
-    out: list[dict[str, Any] | None] = []
-    stats: dict[str, int] = defaultdict(int)
+    out = AuxShards([], CollateStats())
     for rank in range(world):
-        batch = collator(traces[rank::world], pairs=pairs[rank::world], rl=False)
-        for k, v in batch.pop("stats").items():
-            stats[k] += v
-        out.append(batch or None)
-    return out, dict(stats)
+        collated = collator(traces[rank::world], pairs=pairs[rank::world], rl=False)
+        out.stats += collated.stats
+        out.shards.append(collated.batch or None)
+    return out

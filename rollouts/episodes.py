@@ -15,7 +15,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from meshrl.tasks.base import Prompt, Task
-from meshrl.tasks.toolcalls import parse_tool_calls
+from meshrl.inference.toolcalls import parse_tool_calls
 from meshrl.traces.collator import TraceCollator
 
 

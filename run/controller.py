@@ -18,29 +18,53 @@ import json
 import random
 import time
 from collections import deque
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from monarch.spmd import setup_torch_elastic_env
 from transformers import AutoTokenizer
 
-from meshrl.actors.batches import aux_shards, group_advantages, rl_shards, rollout_trace
-from meshrl.actors.generator import GeneratorActor, make_task
-from meshrl.actors.progress import Progress
-from meshrl.actors.rollout import Rollout
-from meshrl.actors.run_dir import RunDir, plot, write_atomic
-from meshrl.actors.teachers import TeacherActor
+from meshrl.actors.generator import GeneratorActor, RolloutBatch
+from meshrl.actors.teacher import TeacherActor, TeacherAnswers
 from meshrl.actors.trainer import TrainerActor
 from meshrl.configs.loader import to_toml
 from meshrl.configs.schema import RunConfig
 from meshrl.models.tiny import ensure_tiny
+from meshrl.rollouts.advantages import group_advantages
+from meshrl.rollouts.batches import aux_shards, rl_shards, rollout_trace
+from meshrl.rollouts.episodes import Rollout
+from meshrl.run.plots import plot
+from meshrl.run.progress import Progress
+from meshrl.run.run_dir import RunDir, write_atomic
+from meshrl.tasks.base import make_task
 from meshrl.topology.faults import HostLost, RunStopped, SupervisionError, install_fault_hook
 from meshrl.topology.placement import Placement
 from meshrl.topology.pool import ActorPool
 from meshrl.traces.collator import TraceCollator
 from meshrl.traces.errors import ErrorClassifier
-from meshrl.traces.pairs import DpoPair, mine_pairs, trace_states
+from meshrl.traces.pairs import DpoPair, ReplayState, mine_pairs, trace_states
 from meshrl.traces.schema import TraceExample
+
+
+@dataclass
+class RolloutRequest:
+    """A step's prompts asked of one generator rank: the actor asked (a replaced rank has a new
+    one), how many rollouts that is, and the answer to come."""
+
+    rank: int
+    actor: Any
+    asked: int
+    future: Any  # -> RolloutBatch
+
+
+@dataclass
+class TeacherRound:
+    """States sent to a teacher actor, awaiting its answers (mined into pairs a step later)."""
+
+    actor: Any
+    future: Any  # -> TeacherAnswers
+    states: list[ReplayState]
 
 
 def resolve_model(config: RunConfig, run: RunDir) -> str:
@@ -56,7 +80,7 @@ class Controller:
         self.run = RunDir(config.output_dir)
         self.model_path = resolve_model(config, self.run)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.task = make_task(config)
+        self.task = make_task(config.task)
         hint = getattr(self.task, "hint", None)
         self.collator = TraceCollator(self.tokenizer, hint_generator=hint if config.loss.sdpo.weight > 0 else None)
         self.data_rng = random.Random(config.seed)
@@ -65,7 +89,7 @@ class Controller:
         self.pairs: list[DpoPair] = []
         self.dropped_stale = 0
         self.lost_rollouts = 0  # in flight on a generator that died
-        self.pending_teacher: Any = None
+        self.pending_teacher: TeacherRound | None = None
         self.teacher_counts = {"actor_failures": 0, "late_rounds": 0}
         self.teacher_totals: dict[str, float] = {}  # counters of teacher actors that died
         self.teacher_latest: dict[str, float] = {}
@@ -81,7 +105,7 @@ class Controller:
         self.generators = ActorPool(self.placement, "generator", "generator", GeneratorActor, self.config, self.model_path)
         self.trainer_procs = self.placement.procs("trainer")
         setup_torch_elastic_env(self.trainer_procs)
-        self.trainers = self.trainer_procs.spawn("trainer", TrainerActor, self.config, self.model_path)
+        self.trainers = self.trainer_procs.spawn("trainer", TrainerActor, self.config, self.model_path).flatten("rank")
         self.actors = list(self.trainers.setup.call().get().values()) + self.generators.infos()
         self.teachers = None
         if self.config.teachers.members:
@@ -152,8 +176,8 @@ class Controller:
                         raise ValueError(f"task.traces: {path}:{n}: not a trace example: {exc}") from None
         return states
 
-    def _request(self) -> list[tuple[int, Any, int, Any]]:
-        """Ask every generator for its share of a step's prompts: (rank, actor, rollouts asked, future)."""
+    def _request(self) -> list[RolloutRequest]:
+        """Ask every generator for its share of a step's prompts."""
         prompts = self.task.sample_prompts(self.data_rng, self.config.task.prompts_per_step)
         n, samples = len(self.generators), self.config.generator.samples_per_prompt
         requests = []
@@ -161,25 +185,25 @@ class Controller:
             if prompts[i::n]:
                 actor = self.generators[i]
                 future = actor.rollout.call_one(prompts[i::n], self.seed_rng.randrange(2**31))
-                requests.append((i, actor, len(prompts[i::n]) * samples, future))
+                requests.append(RolloutRequest(i, actor, len(prompts[i::n]) * samples, future))
         return requests
 
-    def _collect(self, requests: list[tuple[int, Any, int, Any]]) -> tuple[list[Rollout], float]:
+    def _collect(self, requests: list[RolloutRequest]) -> RolloutBatch:
         """The rollouts of the generators that answered and their slowest time; rollouts of a
         dead generator are counted lost and the generator replaced (once, however many of its
         requests were in flight)."""
-        rollouts, seconds = [], 0.0
-        for rank, actor, asked, future in requests:
+        collected = RolloutBatch([], 0.0)
+        for request in requests:
             try:
-                batch, took = future.get()
+                batch: RolloutBatch = request.future.get()
             except SupervisionError:
-                self.lost_rollouts += asked
-                if self.generators[rank] is actor:
-                    self._replace_generator(rank)
+                self.lost_rollouts += request.asked
+                if self.generators[request.rank] is request.actor:
+                    self._replace_generator(request.rank)
                 continue
-            rollouts += batch
-            seconds = max(seconds, took)
-        return rollouts, seconds
+            collected.rollouts += batch.rollouts
+            collected.seconds = max(collected.seconds, batch.seconds)
+        return collected
 
     def _replace_generator(self, rank: int) -> None:
         self._replace(self.generators, rank)
@@ -190,10 +214,10 @@ class Controller:
         """Trainer rank 0's weights → these generator ranks; returns the ranks that died meanwhile.
         Every trainer rank is called: under FSDP2 the full weights are an all-gather."""
         if self.config.generator.weight_sync == "rdma":
-            buffer, layout = _rank0(self.trainers.policy_weights_rdma.call().get())
+            buffer, layout = self.trainers.policy_weights_rdma.call().get().item(rank=0)
             futures = {r: self.generators[r].pull_weights.call_one(buffer, layout, version) for r in ranks}
         else:
-            weights = _rank0(self.trainers.policy_weights.call().get())
+            weights = self.trainers.policy_weights.call().get().item(rank=0)
             futures = {r: self.generators[r].load_weights.call_one(weights, version) for r in ranks}
         dead = []
         for rank, future in futures.items():
@@ -216,9 +240,10 @@ class Controller:
         if self.teachers is None:
             return {}
         if self.pending_teacher is not None:
-            actor, future, states = self.pending_teacher
+            pending = self.pending_teacher
             try:
-                answers, self.teacher_latest = future.get(timeout=self.config.teachers.wait_s)
+                reply: TeacherAnswers = pending.future.get(timeout=self.config.teachers.wait_s)
+                answers, self.teacher_latest = reply.actions, reply.totals
             except TimeoutError:  # still answering: keep waiting next step, send nothing new
                 self.teacher_counts["late_rounds"] += 1
                 return self._teacher_stats()
@@ -228,10 +253,10 @@ class Controller:
                 for name, value in self.teacher_latest.items():
                     self.teacher_totals[name] = self.teacher_totals.get(name, 0.0) + value
                 self.teacher_latest = {}
-                if self.teachers[0] is actor:
+                if self.teachers[0] is pending.actor:
                     self._replace(self.teachers, 0)
             self.pending_teacher = None
-            for state, actions in zip(states, answers):
+            for state, actions in zip(pending.states, answers):
                 pair = mine_pairs(state, actions, self.config.teachers.min_agree)
                 if pair is not None:
                     self.pairs.append(pair)
@@ -248,7 +273,7 @@ class Controller:
             contexts.append({})
         states, contexts = states[:budget], contexts[:budget]
         actor = self.teachers[0]
-        self.pending_teacher = (actor, actor.replay.call_one([s.state_messages for s in states], contexts), states)
+        self.pending_teacher = TeacherRound(actor, actor.replay.call_one([s.state_messages for s in states], contexts), states)
         return self._teacher_stats()
 
     def _teacher_stats(self) -> dict[str, float]:
@@ -300,7 +325,7 @@ class Controller:
         size = self.config.trainer.warm_start_batch_size
         for i in range(steps):
             chunk = demos[i * size : (i + 1) * size]
-            self.trainers.sft_step.call([self.collator(chunk[r::world]) for r in range(world)]).get()
+            self.trainers.sft_step.call([self.collator(chunk[r::world]).batch for r in range(world)]).get()
         self.trainers.reset_reference.call().get()
         self._push_weights(0)
 
@@ -315,7 +340,8 @@ class Controller:
             step_start = time.perf_counter()
             if not pending:
                 pending.append(self._request())
-            rollouts, gen_seconds = self._collect(pending.popleft())
+            collected = self._collect(pending.popleft())
+            rollouts, gen_seconds = collected.rollouts, collected.seconds
             fresh = [r for r in rollouts if self.step - r.version <= cfg.generator.max_off_policy_steps]
             self.dropped_stale += len(rollouts) - len(fresh)
             if level > 0 and self.step + level < cfg.max_steps:
@@ -324,15 +350,13 @@ class Controller:
                 continue
 
             advantages = group_advantages(fresh)
-            shards, rl_tokens, truncated = rl_shards(
-                fresh, advantages, cfg.trainer.micro_batch_tokens, self.tokenizer.pad_token_id, world
-            )
+            rl = rl_shards(fresh, advantages, cfg.trainer.micro_batch_tokens, self.tokenizer.pad_token_id, world)
             pairs = self.pairs if cfg.loss.replay.weight > 0 else []  # a channel at weight 0 gets no rows
-            aux, aux_stats = aux_shards(fresh, pairs, self.collator, world, cfg.loss.sdpo.max_traces_per_step)
+            aux = aux_shards(fresh, pairs, self.collator, world, cfg.loss.sdpo.max_traces_per_step)
             replay_pairs = len(self.pairs)
             self.pairs = []
             train_start = time.perf_counter()
-            metrics = _rank0(self.trainers.train_step.call(shards, aux, rl_tokens).get())
+            metrics = self.trainers.train_step.call(rl.shards, aux.shards, rl.tokens).get().item(rank=0)
             train_seconds = time.perf_counter() - train_start
             self.step += 1
             lost = None
@@ -356,12 +380,12 @@ class Controller:
                 "staleness": sum(self.step - 1 - r.version for r in fresh) / max(1, len(fresh)),
                 "tool_errors": sum(r.tool_errors for r in fresh),
                 "replay_pairs": replay_pairs,
-                "truncated": truncated,
+                "truncated": rl.truncated,
                 **{k: v for k, v in metrics.items()},
-                **{f"collate/{k}": v for k, v in aux_stats.items()},
+                **{f"collate/{k}": v for k, v in asdict(aux.stats).items()},
                 **teacher_stats,
                 "rollout_tokens_per_s": sampled / max(gen_seconds, 1e-9),
-                "train_tokens_per_s": rl_tokens / max(train_seconds, 1e-9),
+                "train_tokens_per_s": rl.tokens / max(train_seconds, 1e-9),
                 "time/step": time.perf_counter() - step_start,
                 "time/generate": gen_seconds,
                 "time/train": train_seconds,
@@ -375,11 +399,6 @@ class Controller:
                 self.save()
         for requests in pending:  # rollouts requested past the last step
             self._collect(requests)
-
-
-def _rank0(values: Any) -> Any:
-    """Rank 0's value of an endpoint called on the whole trainer mesh."""
-    return next(iter(values.values()))
 
 
 def _rng_state(rng: random.Random) -> list[Any]:

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import Tensor
 
-from meshrl.actors.completion import Completion, check_sampling
+from meshrl.inference.completion import Completion, check_sampling
 
 
 def request_seeds(seed: int | None, count: int) -> list[int | None]:

@@ -1,0 +1,40 @@
+"""The teacher-replay actor: the run's teachers, one shared cost meter and the disk cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from monarch.actor import Actor, current_rank, endpoint
+
+from meshrl.configs.schema import RunConfig
+from meshrl.teachers.base import Message
+from meshrl.teachers.cache import TeacherCache
+from meshrl.teachers.replay import make_teachers, replay_state, teacher_totals
+from meshrl.topology.worker import process_info
+
+
+@dataclass
+class TeacherAnswers:
+    """One replay round: every teacher's action at each state (None where it failed), and the
+    counters summed over all teachers since this actor started."""
+
+    actions: list[dict[str, Message | None]]
+    totals: dict[str, float]
+
+
+class TeacherActor(Actor):
+    def __init__(self, config: RunConfig, model_path: str, cache_path: str, rank: int | None = None) -> None:
+        self.rank = current_rank().rank if rank is None else rank  # a replacement keeps the rank it replaces
+        self.teachers = make_teachers(config)
+        self.cache = TeacherCache(cache_path)
+
+    @endpoint
+    def info(self) -> dict[str, Any]:
+        return {"role": "teacher", "rank": self.rank, **process_info(), "teachers": [t.name for t in self.teachers]}
+
+    @endpoint
+    def replay(self, states: list[list[Message]], contexts: list[dict[str, Any]]) -> TeacherAnswers:
+        """Every teacher's action at each state, and the cumulative counters over all teachers."""
+        actions = [replay_state(self.teachers, self.cache, s, c) for s, c in zip(states, contexts)]
+        return TeacherAnswers(actions, teacher_totals(self.teachers))

@@ -1,0 +1,1 @@
+"""Engines that sample (HF on CPU, vLLM on GPU), the completion contract they share, tool-call parsing, weight layout."""

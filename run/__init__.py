@@ -1,0 +1,1 @@
+"""The run: the controller process, the run directory (metrics, checkpoints), progress and plots."""

@@ -1,0 +1,50 @@
+"""A local HF model as a teacher, answering greedily through its own chat template."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from meshrl.configs.schema import HfTeacher as HfTeacherConfig
+from meshrl.inference.hf_engine import HFEngine
+from meshrl.inference.toolcalls import parse_tool_calls
+from meshrl.teachers.base import Message, TeacherStats, chat_messages, parse_action
+
+log = logging.getLogger(__name__)
+
+
+class HFTeacher:
+    """A local HF model; `generate_fn(messages) -> assistant message | None` is the engine the
+    teacher actor hosts. Exceptions from it are left to `replay_state`."""
+
+    def __init__(self, cfg: HfTeacherConfig, generate_fn: Callable[[list[Message]], Message | None]) -> None:
+        self.name = cfg.name
+        self.identity = f"hf:{cfg.path}"
+        self.stats = TeacherStats()
+        self._generate = generate_fn
+
+    def act(self, state_messages: list[Message], context: dict[str, Any] | None = None) -> Message | None:
+        self.stats.calls += 1
+        try:
+            return parse_action(self._generate(chat_messages(state_messages)))
+        except ValueError as error:
+            log.warning("teacher %s: unusable answer (%s)", self.name, error)
+            self.stats.failures += 1
+            return None
+
+
+def hf_generate_fn(path: str, max_new_tokens: int = 128) -> Callable[[list[Message]], Message | None]:
+    """Greedy next assistant turn from a local HF model through its own chat template."""
+    engine = HFEngine.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+
+    def generate(messages: list[Message]) -> Message | None:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+        (completion,) = engine.generate([list(ids)], temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens)
+        content, calls = parse_tool_calls(tokenizer.decode(completion.completion_ids, skip_special_tokens=True))
+        return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+
+    return generate

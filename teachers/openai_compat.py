@@ -1,0 +1,130 @@
+"""An OpenAI-compatible chat-completions endpoint as a teacher.
+
+The API key is read from its env var at each request: it is never stored on an object,
+logged, cached or counted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import httpx
+
+from meshrl.configs.schema import OpenAITeacher as OpenAITeacherConfig
+from meshrl.teachers.base import Message, TeacherStats, chat_messages, parse_action
+from meshrl.teachers.cost import CostMeter
+
+log = logging.getLogger(__name__)
+
+
+def _tokens(usage: Mapping[str, Any], field: str) -> int:
+    value = usage.get(field)
+    return value if isinstance(value, int) and value > 0 else 0
+
+
+class OpenAITeacher:
+    """A chat-completions endpoint answering greedily (temperature 0).
+
+    Timeouts, connection errors, 429 and 5xx are retried `cfg.max_retries` times with
+    exponential backoff (`backoff_s`, doubling); other 4xx answers are final. A teacher with a
+    price is paid: once `meter` is exhausted it answers None without a request. Without a
+    meter there is no ceiling.
+    """
+
+    def __init__(
+        self,
+        cfg: OpenAITeacherConfig,
+        client: httpx.Client | None = None,
+        *,
+        meter: CostMeter | None = None,
+        backoff_s: float = 0.5,
+    ) -> None:
+        if cfg.api_key_env and cfg.api_key_env not in os.environ:
+            raise ValueError(f"teacher {cfg.name!r}: env var {cfg.api_key_env} (its API key) is not set")
+        self.cfg = cfg
+        self.name = cfg.name
+        self.identity = f"openai:{cfg.base_url.rstrip('/')}:{cfg.model}"
+        self.stats = TeacherStats()
+        self.meter = meter or CostMeter(math.inf)
+        self.backoff_s = backoff_s
+        self._owns_client = client is None
+        self._client = client or httpx.Client()
+        self._url = cfg.base_url.rstrip("/") + "/chat/completions"
+        self._paid = cfg.usd_per_mtok_in > 0 or cfg.usd_per_mtok_out > 0
+
+    def __repr__(self) -> str:
+        return f"OpenAITeacher(name={self.name!r}, model={self.cfg.model!r}, base_url={self.cfg.base_url!r})"
+
+    def close(self) -> None:
+        """Close the HTTP client when this teacher made it (a passed client is the caller's)."""
+        if self._owns_client:
+            self._client.close()
+
+    def act(self, state_messages: list[Message], context: dict[str, Any] | None = None) -> Message | None:
+        if self._paid and self.meter.exhausted():
+            self.stats.skipped_budget += 1
+            return None
+        self.stats.calls += 1
+        response = self._post({"model": self.cfg.model, "messages": _wire(state_messages), "temperature": 0})
+        if response is None or not response.is_success:
+            self.stats.failures += 1
+            return None
+        try:
+            body = response.json()
+            if isinstance(body, dict) and isinstance(body.get("usage"), Mapping):
+                self._charge(body["usage"])
+            return parse_action(body["choices"][0]["message"])
+        except (ValueError, LookupError, TypeError) as error:
+            log.warning("teacher %s: unusable answer (%s: %s)", self.name, type(error).__name__, error)
+            self.stats.failures += 1
+            return None
+
+    def _charge(self, usage: Mapping[str, Any]) -> None:
+        """Bill the tokens even when the answer then turns out unusable: they were paid for."""
+        usd = (
+            _tokens(usage, "prompt_tokens") * self.cfg.usd_per_mtok_in
+            + _tokens(usage, "completion_tokens") * self.cfg.usd_per_mtok_out
+        ) / 1e6
+        self.stats.usd_spent += usd
+        self.meter.charge(usd)
+
+    def _headers(self) -> dict[str, str]:
+        key = os.environ.get(self.cfg.api_key_env) if self.cfg.api_key_env else None
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def _post(self, payload: dict[str, Any]) -> httpx.Response | None:
+        """The final response, or None when every attempt failed in transport."""
+        attempts = self.cfg.max_retries + 1
+        for attempt in range(attempts):
+            if attempt:
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                response = self._client.post(
+                    self._url, json=payload, headers=self._headers(), timeout=self.cfg.timeout_s
+                )
+            except httpx.TransportError as error:  # timeouts included
+                log.warning("teacher %s: %s (attempt %d/%d)", self.name, type(error).__name__, attempt + 1, attempts)
+                continue
+            status = response.status_code
+            if status == 429 or status >= 500:
+                log.warning("teacher %s: HTTP %d (attempt %d/%d)", self.name, status, attempt + 1, attempts)
+                continue
+            if not response.is_success:  # the body is not logged: auth errors may echo part of the key
+                log.warning("teacher %s: HTTP %d, not retried", self.name, status)
+            return response
+        return None
+
+
+def _wire(messages: Sequence[Mapping[str, Any]]) -> list[Message]:
+    """Chat messages as the endpoint takes them: tool-call arguments as JSON strings."""
+    wire = chat_messages(messages)
+    for message in wire:
+        for call in message.get("tool_calls", []):
+            call["function"]["arguments"] = json.dumps(call["function"]["arguments"], ensure_ascii=False)
+    return wire

@@ -1,0 +1,37 @@
+"""The task's own oracle as a teacher."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from meshrl.tasks.base import Demonstrating, Prompt
+from meshrl.teachers.base import Message, TeacherStats, chat_messages, parse_action
+
+log = logging.getLogger(__name__)
+
+
+class OracleTeacher:
+    """The task's own oracle. It needs the episode's Prompt (`context["prompt"]`), which the
+    cache key does not hold, so its answers are never cached (they are free anyway)."""
+
+    identity = None
+
+    def __init__(self, task: Any, name: str = "oracle") -> None:
+        if not isinstance(task, Demonstrating):
+            raise TypeError(f"{type(task).__name__} is not a Demonstrating task (no oracle_action)")
+        self.name = name
+        self.stats = TeacherStats()
+        self._task = task
+
+    def act(self, state_messages: list[Message], context: dict[str, Any] | None = None) -> Message | None:
+        self.stats.calls += 1
+        prompt = (context or {}).get("prompt")
+        try:
+            if not isinstance(prompt, Prompt):
+                raise ValueError("no Prompt in context['prompt']")
+            return parse_action(self._task.oracle_action(prompt, chat_messages(state_messages)))
+        except ValueError as error:
+            log.warning("teacher %s: no answer (%s)", self.name, error)
+            self.stats.failures += 1
+            return None

@@ -1,0 +1,280 @@
+"""The trainer core: one data-parallel rank's model, optimizer and step.
+
+`TrainerCore` holds the logic (testable in one process, or across processes with
+torch.distributed); `meshrl.actors.trainer.TrainerActor` puts one core on each proc of the
+trainer mesh (gloo on CPU, nccl on GPU). `trainer.parallelism` picks how ranks share the work:
+
+- `ddp`: every rank holds the whole model; one flat all-reduce of the gradients after the
+  micro-batches' backward passes (a DDP wrapper's hooks would not see the composer's direct
+  reads of the trunk and LM head).
+- `fsdp2`: `fully_shard` on each decoder layer and on a `ModelCall` root around the model,
+  so parameters, gradients and optimizer state are sharded across the ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
+
+from meshrl.configs.schema import RunConfig
+from meshrl.loss_adapters.compose import compose_loss, rl_loss_fn
+from meshrl.loss_adapters.logprobs import sequence_token_logprobs
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def lr_lambda(config: RunConfig):
+    """Linear warm-up, then constant, cosine or linear decay to 0 at max_steps."""
+    warmup, total, kind = config.trainer.warmup_steps, config.max_steps, config.trainer.lr_schedule
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if kind == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.5 * (1 + math.cos(math.pi * progress)) if kind == "cosine" else 1.0 - progress
+
+    return factor
+
+
+def _to(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+class ModelCall(nn.Module):
+    """Runs `fn(model, *args)` as its forward.
+
+    The loss functions read the trunk and the LM head weight directly rather than calling
+    the model. Under FSDP2 this module is the root unit: its forward hooks gather the
+    parameters no decoder layer owns (embeddings, final norm, head) around those reads and
+    reduce-scatter their gradients after backward. `fn` returns a tuple so those hooks
+    find the output tensors.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, fn: Any, *args: Any) -> Any:
+        return fn(self.model, *args)
+
+
+def shard_fsdp2(call: ModelCall) -> None:
+    """`fully_shard` every decoder layer, then the root (over the device's default mesh)."""
+    layers = getattr(call.model.get_decoder(), "layers", None)
+    if layers is None:
+        raise ValueError("trainer.parallelism = 'fsdp2' needs a model whose decoder has `.layers`")
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(call)
+
+
+class TrainerCore:
+    """One rank's model, frozen DPO reference, AdamW, LR schedule and NaN/Inf-guarded step."""
+
+    def __init__(self, config: RunConfig, model_path: str, device: str = "cpu") -> None:
+        self.config = config
+        self.device = torch.device(device)
+        torch.manual_seed(config.seed)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[config.model.dtype]).to(self.device)
+        self.model.train()
+        loss = config.loss
+        needs_ref = loss.replay.weight > 0 and loss.replay.variant == "dpo"
+        self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if needs_ref else None
+        self.rl_fn = rl_loss_fn(loss)
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.fsdp = config.trainer.parallelism == "fsdp2" and self.world > 1
+        self.call = ModelCall(self.model)
+        if self.fsdp:
+            shard_fsdp2(self.call)
+        t = config.trainer
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
+        self.skipped_steps = 0
+
+    # ------------------------------------------------------------------ steps
+
+    def _all_reduce_grads(self) -> None:
+        if self.world == 1 or self.fsdp:  # FSDP2 reduce-scatters in its post-backward hooks
+            return
+        for p in self.model.parameters():
+            if p.grad is None:  # a rank with no data this step still joins the all-reduce
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in self.model.parameters()]
+        flat = torch.cat([g.flatten() for g in grads])
+        dist.all_reduce(flat)
+        flat /= self.world
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def _apply(self, schedule: bool = True) -> dict[str, float]:
+        """Average grads across ranks, clip, and step — unless any grad is NaN/Inf (then skip, count)."""
+        self._all_reduce_grads()
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.trainer.max_grad_norm)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        finite = bool(torch.isfinite(norm))
+        if finite:
+            self.optimizer.step()
+        else:
+            self.skipped_steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        if schedule:
+            self.scheduler.step()
+        return {"grad_norm": float(norm), "skipped_steps": float(self.skipped_steps), "lr": self.scheduler.get_last_lr()[0]}
+
+    def _loss(self, batch: dict[str, Any], rl_token_count: float | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The composed loss of one batch, through `ModelCall` (so FSDP2's root hooks run)."""
+
+        def fn(model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
+            out = compose_loss(
+                model, batch, self.config.loss, rl_fn=self.rl_fn, rl_token_count=rl_token_count,
+                ref_model=self.ref_model, chunk_size=self.config.model.logprob_chunk_size,
+            )  # fmt: skip
+            return out.loss, out.metrics
+
+        return self.call(fn, _to(batch, self.device))
+
+    def _passes(self, shards: list[list[dict[str, Any]]], rank: int) -> list[tuple[dict[str, Any], float]]:
+        """Rank `rank`'s batches at weight 1. Under FSDP2 every rank must run as many
+        forward/backward passes as the others (the layers' all-gathers are collectives), so a
+        rank short of batches runs another rank's at weight 0."""
+        passes = [(batch, 1.0) for batch in shards[rank]]
+        if self.fsdp:
+            spare = next((batch for shard in shards for batch in shard), None)
+            passes += [(spare, 0.0)] * (max(len(shard) for shard in shards) - len(passes))
+        return passes
+
+    def train_step(
+        self, rl_shards: list[list[dict[str, Any]]], aux_shards: list[dict[str, Any] | None], rl_tokens: int, rank: int = 0
+    ) -> dict[str, float]:
+        """One optimizer step over rank `rank`'s RL micro-batches and its replay/SDPO batch.
+
+        Every rank gets the whole step's shards (one list of micro-batches, one auxiliary
+        batch or None per rank). `rl_tokens` is the loss-mask token count of the step over
+        all ranks: each RL micro-batch is normalised by rl_tokens / world so the cross-rank
+        mean of gradients is Σ sample losses / rl_tokens, PRIME-RL's normalisation.
+        """
+        sums: dict[str, float] = {}
+        counts: dict[str, int] = {}
+        for batch, weight in self._passes(rl_shards, rank):
+            loss, out = self._loss(batch, max(1, rl_tokens) / self.world)
+            (loss * weight).backward()
+            for name, value in out.items() if weight else ():
+                sums[name] = sums.get(name, 0.0) + float(value)
+                counts[name] = counts.get(name, 0) + 1
+        metrics = {name: sums[name] / counts[name] for name in sums}
+        if rl_shards[rank]:
+            metrics["loss/rl"] = sums.get("loss/rl", 0.0)  # micro-batch parts add up to the step's loss
+        # Ranks average their gradients: scale so ranks without a replay/SDPO batch don't dilute it.
+        aux_scale = self.world / max(1, sum(a is not None for a in aux_shards))
+        for batch, weight in self._passes([[a] if a is not None else [] for a in aux_shards], rank):
+            loss, out = self._loss(batch)
+            (loss * weight * aux_scale).backward()
+            if weight:
+                metrics.update({k: float(v) for k, v in out.items() if k != "loss/total"})
+        metrics["loss/total"] = (
+            metrics.get("loss/rl", 0.0)
+            + self.config.loss.replay.weight * metrics.get("loss/replay", 0.0)
+            + self.config.loss.sdpo.weight * metrics.get("loss/sdpo", 0.0)
+        )
+        metrics.update(self._apply())
+        return metrics
+
+    def reset_reference(self) -> None:
+        """The DPO reference is the policy RL starts from (after any warm start)."""
+        if self.ref_model is not None:
+            self.ref_model.load_state_dict(self.model.state_dict())
+
+    def sft_step(self, batch: dict[str, Any]) -> dict[str, float]:
+        """Warm start: masked NLL of the assistant tokens (the collator's loss_mask), at the
+        warm-start learning rate and outside the RL schedule."""
+        lr = self.config.trainer.warm_start_lr or self.config.trainer.lr
+        scheduled = [group["lr"] for group in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        chunk_size = self.config.model.logprob_chunk_size
+
+        def nll(model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor]:
+            kwargs = {k: batch[k] for k in ("attention_mask", "position_ids") if k in batch}
+            logprobs = sequence_token_logprobs(model, batch["input_ids"], chunk_size, **kwargs)
+            mask = batch["loss_mask"].float()
+            return (-(logprobs * mask).sum() / mask.sum().clamp_min(1),)
+
+        (loss,) = self.call(nll, _to(batch, self.device))
+        loss.backward()
+        metrics = {"loss/sft": float(loss.detach()), **self._apply(schedule=False)}
+        for group, value in zip(self.optimizer.param_groups, scheduled):
+            group["lr"] = value
+        return metrics
+
+    # ------------------------------------------------------------------ weights and checkpoints
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The full policy weights on CPU on rank 0, {} on the others. Every rank must call:
+        under FSDP2 it is an all-gather."""
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def save(self, directory: str | Path) -> None:
+        """Model (safetensors), optimizer, scheduler and RNG state into `directory`.
+
+        Every rank calls (the full state dicts are gathered under FSDP2); rank 0 writes.
+        """
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        weights = self.weights()
+        optimizer = get_optimizer_state_dict(self.model, self.optimizer, options=options)
+        if self.rank != 0:
+            return
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(directory / "model", state_dict=weights, safe_serialization=True)
+        torch.save(
+            {
+                "optimizer": optimizer,
+                "scheduler": self.scheduler.state_dict(),
+                "skipped_steps": self.skipped_steps,
+                "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
+            },
+            directory / "trainer.pt",
+        )
+        if self.ref_model is not None:
+            save_file(self.ref_model.state_dict(), str(directory / "reference.safetensors"))
+
+    def load(self, directory: str | Path) -> None:
+        """Every rank reads the checkpoint rank 0 wrote and keeps its own part."""
+        directory = Path(directory)
+        saved = AutoModelForCausalLM.from_pretrained(directory / "model", dtype=DTYPES[self.config.model.dtype])
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(self.model, saved.state_dict(), options=options)
+        state = torch.load(directory / "trainer.pt", weights_only=False)
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.skipped_steps = state["skipped_steps"]
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
+        if self.ref_model is not None and (directory / "reference.safetensors").exists():
+            self.ref_model.load_state_dict(load_file(str(directory / "reference.safetensors")))
