@@ -1,1 +1,2 @@
-"""Monarch actors only: generator, trainer and teacher-replay, each a thin shell over a core that runs without Monarch."""
+"""Monarch actors only: generator, trainer and teacher-replay, each a thin shell over a core that
+runs without Monarch."""

@@ -36,7 +36,9 @@ class TrainerActor(Actor):
         return {"role": "trainer", "rank": self.rank, **process_info()}
 
     @endpoint
-    def train_step(self, rl_shards: list[list[dict[str, Any]]], aux_shards: list[dict[str, Any] | None], rl_tokens: int) -> dict[str, float]:
+    def train_step(
+        self, rl_shards: list[list[dict[str, Any]]], aux_shards: list[dict[str, Any] | None], rl_tokens: int
+    ) -> dict[str, float]:
         return self.core.train_step(rl_shards, aux_shards, rl_tokens, self.rank)
 
     @endpoint

@@ -15,9 +15,9 @@ import statistics
 import sys
 import tempfile
 
+from meshrl.configs import load_config
 from meshrl.run.controller import train
 from meshrl.run.run_dir import RunDir
-from meshrl.configs import load_config
 
 
 def run(base: list[str], level: int, sync: str, steps: int) -> dict[str, float]:

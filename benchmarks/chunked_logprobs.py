@@ -13,7 +13,7 @@ import argparse
 import statistics
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

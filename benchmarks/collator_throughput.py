@@ -14,7 +14,7 @@ import argparse
 import random
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from meshrl.models.tiny import build_tokenizer
 from meshrl.traces.collator import TraceCollator
@@ -70,7 +70,9 @@ def main() -> None:
     sdpo = best_of(lambda: collate_sdpo(traces), args.repeats)
     print(f"{args.traces} traces, {len(turn_texts)} turns, {sum(map(len, turn_texts)) / 1e6:.2f} M chars")
     print(f"  limit (batch-encode turn texts): {args.traces / limit:8.0f} traces/s")
-    print(f"  collator, RL/SFT rows:           {args.traces / plain:8.0f} traces/s   {limit / plain:.2f} of the limit (goal ≥ 0.5)")
+    print(
+        f"  collator, RL/SFT rows:           {args.traces / plain:8.0f} traces/s   {limit / plain:.2f} of the limit (goal ≥ 0.5)"
+    )
     print(f"  collator, + SDPO rows:           {args.traces / sdpo:8.0f} traces/s   {limit / sdpo:.2f} of the limit")
 
 

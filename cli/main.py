@@ -26,7 +26,11 @@ EXIT_TRACES = 1
 
 def _sources_parser(sub: argparse._SubParsersAction, name: str, help_text: str) -> argparse.ArgumentParser:
     parser = sub.add_parser(
-        name, help=help_text, description=help_text, epilog=CONFIG_FORMS, formatter_class=argparse.RawDescriptionHelpFormatter
+        name,
+        help=help_text,
+        description=help_text,
+        epilog=CONFIG_FORMS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("sources", nargs="*", help="presets and overrides (see below)")
     return parser
@@ -155,7 +159,9 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     from meshrl.topology.worker import serve
 
     try:
-        serve(args.address, cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca, allow_remote_tcp=args.allow_remote_tcp)
+        serve(
+            args.address, cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca, allow_remote_tcp=args.allow_remote_tcp
+        )
     except ValueError as exc:
         print(f"meshrl worker: {exc}", file=sys.stderr)
         return EXIT_CONFIG

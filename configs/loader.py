@@ -41,7 +41,9 @@ def _normalise(data: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _merge(dst: dict[str, Any], src: dict[str, Any], origin: Origin, where: dict[tuple[str, ...], Origin], prefix=()) -> None:
+def _merge(
+    dst: dict[str, Any], src: dict[str, Any], origin: Origin, where: dict[tuple[str, ...], Origin], prefix=()
+) -> None:
     for key, value in src.items():
         path = (*prefix, key)
         if isinstance(value, dict) and isinstance(dst.get(key), dict):
@@ -69,7 +71,9 @@ def _parse_value(key: str, raw: str) -> Any:
         try:
             return json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ConfigError(f"{COMMAND_LINE}: --{key}: value {raw!r} looks like JSON but does not parse: {exc}") from None
+            raise ConfigError(
+                f"{COMMAND_LINE}: --{key}: value {raw!r} looks like JSON but does not parse: {exc}"
+            ) from None
     return raw
 
 

@@ -38,7 +38,9 @@ class Section(BaseModel):
 
 
 class TinyModelConfig(Section):
-    vocab_size: int = Field(1024, ge=64, le=65536, description="Vocabulary of the locally built byte-level BPE tokenizer.")
+    vocab_size: int = Field(
+        1024, ge=64, le=65536, description="Vocabulary of the locally built byte-level BPE tokenizer."
+    )
     hidden_size: int = Field(64, ge=8, le=4096, description="Width of the tiny transformer.")
     num_layers: int = Field(2, ge=1, le=48, description="Decoder layers of the tiny transformer.")
     num_heads: int = Field(4, ge=1, le=64, description="Attention heads of the tiny transformer.")
@@ -187,16 +189,22 @@ class ReplayChannel(Section):
     gamma: float = Field(1.0, ge=0, description="SimPO target margin γ (ignored by DPO).")
     label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="Conservative-DPO label smoothing (DPO only).")
     rpo_alpha: float = Field(
-        0.0, ge=0, description="Weight of the chosen responses' mean token NLL added to the pairwise loss (RPO; 0 = off)."
+        0.0,
+        ge=0,
+        description="Weight of the chosen responses' mean token NLL added to the pairwise loss (RPO; 0 = off).",
     )
 
 
 class SdpoChannel(Section):
     weight: float = Field(0.0, ge=0, description="α: weight of the SDPO channel (0 = off).")
-    jsd_beta: float = Field(0.5, ge=0, le=1, description="Generalized-JSD β (0: KL(teacher‖student), 1: KL(student‖teacher)).")
+    jsd_beta: float = Field(
+        0.5, ge=0, le=1, description="Generalized-JSD β (0: KL(teacher‖student), 1: KL(student‖teacher))."
+    )
     temperature: float = Field(1.0, gt=0, description="Temperature dividing student and teacher logits.")
     token_clip: float | None = Field(None, gt=0, description="Upper clip of each token's JSD (None = no clip).")
-    max_traces_per_step: int = Field(16, ge=1, description="Rollouts with error sites collated into SDPO rows per step.")
+    max_traces_per_step: int = Field(
+        16, ge=1, description="Rollouts with error sites collated into SDPO rows per step."
+    )
 
 
 class LossBase(Section):
@@ -214,7 +222,9 @@ class DppoKlLoss(LossBase):
 
 class IpoLoss(LossBase):
     type: Literal["ipo"] = Field("ipo", description="Symmetric trust region on the probability change.")
-    ipo_threshold: float = Field(0.1, ge=0, description="Mask tokens whose probability moved more than this either way.")
+    ipo_threshold: float = Field(
+        0.1, ge=0, description="Mask tokens whose probability moved more than this either way."
+    )
     adv_tau: float = Field(1.0, ge=0, description="Scale of the advantage term.")
     kl_tau: float = Field(1e-3, ge=0, description="Scale of the squared log-ratio KL to the inference policy.")
 
@@ -228,7 +238,9 @@ class RefKlLoss(LossBase):
 class CustomLoss(LossBase):
     type: Literal["custom"] = Field("custom", description="A PRIME-RL loss hook by import path.")
     import_path: str = Field(
-        ..., min_length=1, description="'pkg.mod.fn' or 'pkg.mod:fn' with PRIME-RL's fn(inputs, **kwargs) -> LossOutputs."
+        ...,
+        min_length=1,
+        description="'pkg.mod.fn' or 'pkg.mod:fn' with PRIME-RL's fn(inputs, **kwargs) -> LossOutputs.",
     )
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the function.")
 
@@ -252,7 +264,9 @@ class OpenAITeacher(Section):
     name: str = Field(..., min_length=1, description="Teacher name recorded on mined pairs.")
     base_url: str = Field(..., description="OpenAI-compatible base URL (…/v1).")
     model: str = Field(..., description="Model name sent with each request.")
-    api_key_env: str | None = Field(None, description="Name of the env var holding the API key (never logged or saved).")
+    api_key_env: str | None = Field(
+        None, description="Name of the env var holding the API key (never logged or saved)."
+    )
     timeout_s: float = Field(60.0, gt=0, description="Per-request timeout.")
     max_retries: int = Field(3, ge=0, description="Retries on timeouts and 5xx answers.")
     usd_per_mtok_in: float = Field(0.0, ge=0, description="Price per million prompt tokens.")
@@ -299,7 +313,9 @@ class CkptConfig(Section):
 class MetricsConfig(Section):
     tensorboard: bool = Field(False, description="Also write TensorBoard event files.")
     wandb_project: str | None = Field(None, description="Also log to this W&B project (needs the [wandb] extra).")
-    progress: Literal["auto", "rich", "plain"] = Field("auto", description="Rich display on a terminal, else plain lines.")
+    progress: Literal["auto", "rich", "plain"] = Field(
+        "auto", description="Rich display on a terminal, else plain lines."
+    )
 
 
 # --------------------------------------------------------------------------- run

@@ -146,7 +146,10 @@ class HFEngine:
                 keep = (~done).nonzero().squeeze(-1)
                 cache.batch_select_indices(keep)
                 rows, tokens, attention_mask, next_position = (
-                    rows[keep], tokens[keep], attention_mask[keep], next_position[keep]
+                    rows[keep],
+                    tokens[keep],
+                    attention_mask[keep],
+                    next_position[keep],
                 )
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=1)
             logits = self._next_logits(tokens[:, None], attention_mask, next_position[:, None], cache)

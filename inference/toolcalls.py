@@ -28,9 +28,7 @@ def _call(index: int, body: str) -> dict[str, Any]:
     except ValueError:
         parsed = None
     well_formed = (
-        isinstance(parsed, dict)
-        and isinstance(parsed.get("name"), str)
-        and isinstance(parsed.get("arguments"), dict)
+        isinstance(parsed, dict) and isinstance(parsed.get("name"), str) and isinstance(parsed.get("arguments"), dict)
     )
     name, arguments = (parsed["name"], parsed["arguments"]) if well_formed else (MALFORMED, {})
     return {"id": f"call_{index}", "type": "function", "function": {"name": name, "arguments": arguments}}

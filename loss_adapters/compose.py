@@ -19,8 +19,8 @@ are (B, T) and aligned with `input_ids`; logprobs at position t are of token t):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -33,7 +33,12 @@ from meshrl.loss_adapters.replay import replay_loss
 from meshrl.loss_adapters.sdpo import generalized_jsd
 
 RL_KEYS = ("input_ids", "loss_mask", "advantages", "inference_logprobs")
-REPLAY_KEYS = ("dpo_chosen_input_ids", "dpo_chosen_response_mask", "dpo_rejected_input_ids", "dpo_rejected_response_mask")
+REPLAY_KEYS = (
+    "dpo_chosen_input_ids",
+    "dpo_chosen_response_mask",
+    "dpo_rejected_input_ids",
+    "dpo_rejected_response_mask",
+)
 SDPO_KEYS = ("sdpo_student_input_ids", "sdpo_teacher_input_ids", "sdpo_loss_mask")
 
 
@@ -89,7 +94,7 @@ def _rl_channel(
     for row, start, end in sample_spans(batch):
         if not loss_mask[row, start:end].any():
             continue
-        take = lambda key: batch[key][row, start:end] if key in batch else None  # noqa: E731
+        take = lambda key: batch[key][row, start:end] if key in batch else None  # noqa: E731, B023 - called within this iteration only
         out = fn(
             LossInputs(
                 trainer_logprobs=logprobs[row, start:end],
@@ -113,7 +118,9 @@ def _replay_channel(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     channel = config.replay
     logprobs = {
-        side: sequence_token_logprobs(model, batch[f"dpo_{side}_input_ids"], chunk_size, **_forward_kwargs(batch, f"dpo_{side}_"))
+        side: sequence_token_logprobs(
+            model, batch[f"dpo_{side}_input_ids"], chunk_size, **_forward_kwargs(batch, f"dpo_{side}_")
+        )
         for side in ("chosen", "rejected")
     }
     refs: dict[str, Tensor | None] = {side: batch.get(f"dpo_ref_{side}_logprob") for side in ("chosen", "rejected")}

@@ -14,8 +14,9 @@ PRIME-RL's own `LossInputs` objects work unchanged (older ones call `ref_logprob
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor

@@ -8,8 +8,9 @@ go through the TraceCollator into one auxiliary batch per rank.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -53,7 +54,12 @@ def rl_shards(
             continue
         ids, mask, lp = (np.asarray(x) for x in (r.token_ids, r.loss_mask, r.logprobs))
         if ids.size > micro_batch_tokens:
-            ids, mask, lp, truncated = ids[:micro_batch_tokens], mask[:micro_batch_tokens], lp[:micro_batch_tokens], truncated + 1
+            ids, mask, lp, truncated = (
+                ids[:micro_batch_tokens],
+                mask[:micro_batch_tokens],
+                lp[:micro_batch_tokens],
+                truncated + 1,
+            )
         rows.append(Encoded(ids.astype(np.int64), mask.astype(bool), lp.astype(np.float32)))
         values.append(a)
     shards: list[list[dict[str, Any]]] = [[] for _ in range(world)]

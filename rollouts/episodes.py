@@ -14,8 +14,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from meshrl.tasks.base import Prompt, Task
 from meshrl.inference.toolcalls import parse_tool_calls
+from meshrl.tasks.base import Prompt, Task
 from meshrl.traces.collator import TraceCollator
 
 

@@ -102,7 +102,9 @@ class Controller:
         are pools of replaceable ranks, however many hosts they span."""
         install_fault_hook()
         self.placement = Placement(self.config.topology)
-        self.generators = ActorPool(self.placement, "generator", "generator", GeneratorActor, self.config, self.model_path)
+        self.generators = ActorPool(
+            self.placement, "generator", "generator", GeneratorActor, self.config, self.model_path
+        )
         self.trainer_procs = self.placement.procs("trainer")
         setup_torch_elastic_env(self.trainer_procs)
         self.trainers = self.trainer_procs.spawn("trainer", TrainerActor, self.config, self.model_path).flatten("rank")
@@ -110,7 +112,9 @@ class Controller:
         self.teachers = None
         if self.config.teachers.members:
             cache = str(self.run.root / "teacher_cache.jsonl")
-            self.teachers = ActorPool(self.placement, "teacher", "teacher", TeacherActor, self.config, self.model_path, cache)
+            self.teachers = ActorPool(
+                self.placement, "teacher", "teacher", TeacherActor, self.config, self.model_path, cache
+            )
             self.actors += self.teachers.infos()
         self.run.write_topology(self.actors)
 
@@ -273,7 +277,9 @@ class Controller:
             contexts.append({})
         states, contexts = states[:budget], contexts[:budget]
         actor = self.teachers[0]
-        self.pending_teacher = TeacherRound(actor, actor.replay.call_one([s.state_messages for s in states], contexts), states)
+        self.pending_teacher = TeacherRound(
+            actor, actor.replay.call_one([s.state_messages for s in states], contexts), states
+        )
         return self._teacher_stats()
 
     def _teacher_stats(self) -> dict[str, float]:
@@ -320,7 +326,9 @@ class Controller:
         steps = self.config.trainer.warm_start_steps
         if steps == 0 or self.step > 0:
             return
-        demos = self.task.demonstrations(random.Random(self.config.seed + 2), steps * self.config.trainer.warm_start_batch_size)
+        demos = self.task.demonstrations(
+            random.Random(self.config.seed + 2), steps * self.config.trainer.warm_start_batch_size
+        )
         world = self.config.topology.trainer.size
         size = self.config.trainer.warm_start_batch_size
         for i in range(steps):

@@ -7,7 +7,8 @@ import time
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress as RichProgress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, TextColumn, TimeRemainingColumn
+from rich.progress import Progress as RichProgress
 
 SHOWN = ("reward/mean", "loss/total", "loss/rl", "loss/replay", "loss/sdpo", "rollout_tokens_per_s")
 

@@ -1,10 +1,10 @@
 """What a run leaves in its output directory, written so that a kill never corrupts it.
 
-    DIR/config.toml        resolved config
-    DIR/metrics.jsonl      one JSON object per step (a resumed run rewrites it up to its step)
-    DIR/checkpoints/step_N/  complete when it holds COMPLETE (written last, then the folder is renamed in)
-    DIR/topology.json      every actor's role, rank, host, pid
-    DIR/plots/*.png        reward, losses, throughput
+DIR/config.toml        resolved config
+DIR/metrics.jsonl      one JSON object per step (a resumed run rewrites it up to its step)
+DIR/checkpoints/step_N/  complete when it holds COMPLETE (written last, then the folder is renamed in)
+DIR/topology.json      every actor's role, rank, host, pid
+DIR/plots/*.png        reward, losses, throughput
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ LOCAL = REPO / "configs" / "local.toml"
 SCRIPT = Path(sys.executable).with_name("meshrl")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _run(args: tuple[str, ...], cwd: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "200"}
     return subprocess.run(

@@ -142,8 +142,8 @@ def test_packing_first_fit_decreasing_with_position_resets(tok):
         assert int(where.sum()) == length  # every sample whole, in one row
         row = int(where.any(1).nonzero()[0])
         assert packed["position_ids"][row][where[row]].tolist() == list(range(length))
-        assert torch.equal(packed["input_ids"][row][where[row]], plain["input_ids"][i][: length])
-        assert torch.equal(packed["loss_mask"][row][where[row]], plain["loss_mask"][i][: length])
+        assert torch.equal(packed["input_ids"][row][where[row]], plain["input_ids"][i][:length])
+        assert torch.equal(packed["loss_mask"][row][where[row]], plain["loss_mask"][i][:length])
 
 
 def test_truncation_keeps_the_head_and_counts(tok):
@@ -180,7 +180,7 @@ def test_trace_logprobs_land_on_assistant_tokens(tok):
     assert torch.allclose(got[mask], torch.linspace(-3, -0.1, n)) and (got[~mask] == 0).all()
     assistant[0]["logprobs"] = assistant[0]["logprobs"][:-1]
     with pytest.raises(ValueError, match="logprobs"):
-        TraceCollator(tok)([{**trace.model_dump(exclude_none=True), "turns": turns}]).batch
+        TraceCollator(tok)([{**trace.model_dump(exclude_none=True), "turns": turns}])
 
 
 def test_a_template_that_rewrites_content_falls_back_to_exact_rendering(tok):

@@ -139,7 +139,9 @@ def test_all_three_channels_add_with_their_weights_and_give_finite_gradients(tin
 
 def test_sdpo_channel_equals_jsd_over_full_logits_at_masked_positions(tiny_lm):
     batch = _sdpo_batch()
-    config = load_config(["--loss.sdpo.weight", "1", "--loss.sdpo.jsd_beta", "0.3", "--loss.sdpo.temperature", "0.8"]).loss
+    config = load_config(
+        ["--loss.sdpo.weight", "1", "--loss.sdpo.jsd_beta", "0.3", "--loss.sdpo.temperature", "0.8"]
+    ).loss
     got = compose_loss(tiny_lm, batch, config).metrics["loss/sdpo"]
     student = tiny_lm(input_ids=batch["sdpo_student_input_ids"]).logits[:, :-1]
     teacher = tiny_lm(input_ids=batch["sdpo_teacher_input_ids"]).logits[:, :-1]
@@ -150,8 +152,13 @@ def test_sdpo_channel_equals_jsd_over_full_logits_at_masked_positions(tiny_lm):
 def test_channels_switch_off_by_weight_or_missing_inputs(tiny_lm):
     rl_only = load_config([]).loss
     batch = {**_packed(_samples()), **_replay_batch(), **_sdpo_batch()}
-    assert set(k for k in compose_loss(tiny_lm, batch, rl_only).metrics if k.startswith("loss/")) == {"loss/rl", "loss/total"}
-    weighted = load_config(["--loss.replay.weight", "1", "--loss.replay.variant", "simpo", "--loss.sdpo.weight", "1"]).loss
+    assert set(k for k in compose_loss(tiny_lm, batch, rl_only).metrics if k.startswith("loss/")) == {
+        "loss/rl",
+        "loss/total",
+    }
+    weighted = load_config(
+        ["--loss.replay.weight", "1", "--loss.replay.variant", "simpo", "--loss.sdpo.weight", "1"]
+    ).loss
     out = compose_loss(tiny_lm, _packed(_samples()), weighted)  # weights on, inputs absent
     assert "loss/replay" not in out.metrics and "loss/sdpo" not in out.metrics
     with pytest.raises(ValueError, match="no live loss channel"):

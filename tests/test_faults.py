@@ -19,7 +19,7 @@ from test_train import ENV, MESHRL, REPO, SMALL, records
 class _BadEndpoint(BaseHTTPRequestHandler):
     """/hang/… never answers in time; /garbage/… answers 200 with text that is no chat completion."""
 
-    def do_POST(self) -> None:  # noqa: N802 - the http.server hook name
+    def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
         if self.path.startswith("/hang/"):
             time.sleep(3)
@@ -91,9 +91,23 @@ def test_killed_controller_reattaches_and_a_lost_host_stops_then_resumes(tmp_pat
     addresses = [free_address() for _ in range(2)]
     workers = [start_worker(a) for a in addresses]
     out = tmp_path / "run"
-    args = [*MESHRL, "train", *SMALL, "--output-dir", str(out), "--max-steps", "8", "--ckpt.interval", "2",
-            "--topology.mode", "attach", "--topology.workers", json.dumps(addresses),
-            "--topology.generator.hosts", "2"]  # fmt: skip  (generator rank 1 on the second host)
+    args = [
+        *MESHRL,
+        "train",
+        *SMALL,
+        "--output-dir",
+        str(out),
+        "--max-steps",
+        "8",
+        "--ckpt.interval",
+        "2",
+        "--topology.mode",
+        "attach",
+        "--topology.workers",
+        json.dumps(addresses),
+        "--topology.generator.hosts",
+        "2",
+    ]  # fmt: skip  (generator rank 1 on the second host)
     try:
         time.sleep(2)
         # The controller SIGKILLed after a checkpoint: the workers live on, and a new controller resumes on them.

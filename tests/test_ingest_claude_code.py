@@ -23,7 +23,11 @@ from meshrl.traces.claude_code import (
 )
 
 SESSION = "0c1f9d7e-5b2a-4f0e-9a51-3c2d8e7b6a10"
-PNG = {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk"}
+PNG = {
+    "type": "base64",
+    "media_type": "image/png",
+    "data": "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk",
+}
 
 
 class Session:
@@ -140,8 +144,18 @@ def full_session() -> Session:
     denied = {"tool_use_id": "toolu_side", "type": "tool_result", "content": "Permission denied", "is_error": True}
     s.user([denied], isSidechain=True)
     s.result("toolu_05", [text("The cart lives in shop/cart/models.py.")])
-    s.raw({"type": "system", "subtype": "informational", "content": "Running PostToolUse hooks…", "level": "info",
-           "isMeta": False, "sessionId": SESSION, "uuid": "system-1", "parentUuid": s.parent})
+    s.raw(
+        {
+            "type": "system",
+            "subtype": "informational",
+            "content": "Running PostToolUse hooks…",
+            "level": "info",
+            "isMeta": False,
+            "sessionId": SESSION,
+            "uuid": "system-1",
+            "parentUuid": s.parent,
+        }
+    )
     s.assistant("msg_05", text("Fixed the import; both tests pass."))
     s.user([{"type": "image", "source": PNG}, text("and this screenshot?")])
     s.assistant("msg_06", thinking("An old screenshot."), text("That is the old checkout page."))
@@ -201,7 +215,14 @@ def test_error_sites(example):
 
 def test_sidechain_meta_and_other_line_types_are_not_turns(example):
     contents = " ".join(t.content for t in example.turns)
-    for absent in ("Caveat", "Where is the cart code?", "Searching.", "Permission denied", "PostToolUse", "Fix failing"):
+    for absent in (
+        "Caveat",
+        "Where is the cart code?",
+        "Searching.",
+        "Permission denied",
+        "PostToolUse",
+        "Fix failing",
+    ):
         assert absent not in contents
     assert "toolu_side" not in {c.id for t in example.turns for c in t.tool_calls or []}
 
@@ -366,18 +387,38 @@ def _session_with_bad_line(tmp_path: Path, bad: str) -> Path:
         ("[1, 2]", "expected a JSON object, got an array"),
         ('{"message": {}}', "envelope.type: expected a string, got nothing"),
         ('{"type": "assistant", "message": "hello"}', "envelope.message: expected an object, got a string"),
-        ('{"type": "user", "message": {"role": "user", "content": 3}}', "message.content: expected a string or an array"),
-        ('{"type": "user", "isSidechain": "no", "message": {"content": "x"}}', "envelope.isSidechain: expected a boolean"),
-        ('{"type": "assistant", "message": {"content": ["hi"]}}', "message.content[0]: expected an object, got a string"),
-        ('{"type": "assistant", "message": {"content": [{"type": "text"}]}}', "message.content[0].text: expected a string"),
-        ('{"type": "assistant", "message": {"content": [{"type": "tool_use", "id": "t", "name": "Bash", "input": []}]}}',
-         "message.content[0].input: expected an object, got an array"),
-        ('{"type": "user", "message": {"content": [{"type": "tool_result", "tool_use_id": "t", "is_error": "yes"}]}}',
-         "message.content[0].is_error: expected a boolean, got a string"),
-        ('{"type": "user", "message": {"content": [{"type": "tool_result", "tool_use_id": "t", "content": [7]}]}}',
-         "message.content[0].content[0]: expected an object, got a number"),
-        ('{"type": "user", "message": {"content": [{"type": "tool_result", "content": "x"}]}}',
-         "message.content[0].tool_use_id: expected a string, got nothing"),
+        (
+            '{"type": "user", "message": {"role": "user", "content": 3}}',
+            "message.content: expected a string or an array",
+        ),
+        (
+            '{"type": "user", "isSidechain": "no", "message": {"content": "x"}}',
+            "envelope.isSidechain: expected a boolean",
+        ),
+        (
+            '{"type": "assistant", "message": {"content": ["hi"]}}',
+            "message.content[0]: expected an object, got a string",
+        ),
+        (
+            '{"type": "assistant", "message": {"content": [{"type": "text"}]}}',
+            "message.content[0].text: expected a string",
+        ),
+        (
+            '{"type": "assistant", "message": {"content": [{"type": "tool_use", "id": "t", "name": "Bash", "input": []}]}}',
+            "message.content[0].input: expected an object, got an array",
+        ),
+        (
+            '{"type": "user", "message": {"content": [{"type": "tool_result", "tool_use_id": "t", "is_error": "yes"}]}}',
+            "message.content[0].is_error: expected a boolean, got a string",
+        ),
+        (
+            '{"type": "user", "message": {"content": [{"type": "tool_result", "tool_use_id": "t", "content": [7]}]}}',
+            "message.content[0].content[0]: expected an object, got a number",
+        ),
+        (
+            '{"type": "user", "message": {"content": [{"type": "tool_result", "content": "x"}]}}',
+            "message.content[0].tool_use_id: expected a string, got nothing",
+        ),
         ('{"type": "summary", "sessionId": 5}', "envelope.sessionId: expected a string, got a number"),
         ('{"type": "user", "message": {"content": "x", "n": NaN}}', "NaN is not JSON"),
     ],
@@ -428,7 +469,9 @@ def test_cli_ingest(tmp_path):
     out = tmp_path / "out" / "traces.jsonl"
     result = meshrl("traces", "ingest", root, "--format", "claude-code", "--out", out)
     assert result.returncode == 0, result.stderr
-    assert "files: 2, examples: 1, turns: 13, error sites: 2, skipped lines: 0, sessions without turns: 1" in result.stdout
+    assert (
+        "files: 2, examples: 1, turns: 13, error sites: 2, skipped lines: 0, sessions without turns: 1" in result.stdout
+    )
     examples = [TraceExample.model_validate_json(line) for line in out.read_text().splitlines()]
     assert [e.trace_id for e in examples] == [SESSION]
     assert os.listdir(out.parent) == ["traces.jsonl"]

@@ -30,7 +30,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # Source folder -> installed package, as [tool.setuptools.package-dir] maps them.
 PACKAGE_DIRS = {
     src: package.replace(".", "/")
-    for package, src in tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].items()
+    for package, src in tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-dir"
+    ].items()
 }
 # Build by-products setuptools leaves in the source tree; removed afterwards if we made them.
 BUILD_LEFTOVERS = ("build", "meshrl.egg-info")
@@ -210,7 +212,9 @@ def test_fresh_venv_imports_meshrl_from_the_wheel(installed: Installed) -> None:
     first_line, payload = proc.stdout.strip().splitlines()[0], proc.stdout.strip().splitlines()[-1]
     info = json.loads(payload)
 
-    assert _is_within(first_line, installed.venv), f"meshrl.loss_adapters imported from {first_line}, not the fresh venv"
+    assert _is_within(first_line, installed.venv), (
+        f"meshrl.loss_adapters imported from {first_line}, not the fresh venv"
+    )
     assert not _is_within(first_line, REPO_ROOT), f"meshrl.loss_adapters imported from the source tree: {first_line}"
     for key in ("loss_adapters", "configs", "cli", "prime_rl", "local_toml"):
         assert _is_within(info[key], installed.site_packages), f"{key}: {info[key]} is not from the installed wheel"

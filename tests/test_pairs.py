@@ -17,9 +17,7 @@ def act(content: str = "", *calls: tuple[str, dict]) -> Turn:
 
 def state(student: Turn) -> ReplayState:
     messages = [{"role": "user", "content": "list the files"}]
-    return ReplayState(
-        trace_id="t1", turn_index=1, state_messages=messages, student_action=student
-    )
+    return ReplayState(trace_id="t1", turn_index=1, state_messages=messages, student_action=student)
 
 
 LS = act("Listing.", ("bash", {"cmd": "ls", "timeout": 10}))
@@ -220,8 +218,7 @@ def variants(draw: st.DrawFn) -> Turn:
     calls = []
     for c in base.tool_calls or []:
         arguments = {
-            k: float(v) if type(v) is int and draw(st.booleans()) else v
-            for k, v in reversed(c.arguments.items())
+            k: float(v) if type(v) is int and draw(st.booleans()) else v for k, v in reversed(c.arguments.items())
         }
         call_id = draw(st.text(min_size=1, max_size=4))
         calls.append(ToolCall(id=call_id, name=c.name, arguments=arguments))

@@ -8,8 +8,9 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -451,4 +452,3 @@ def test_a_trace_state_replays_in_the_flat_form_trace_states_produce(endpoint, c
     assert replay_state([make_teacher(endpoint, client)], None, state) == {"gpt": LS_ACTION}
     sent = endpoint.requests[0]["body"]["messages"][1]["tool_calls"][0]["function"]
     assert sent == {"name": "bash", "arguments": '{"cmd": "ls"}'}
-

@@ -14,11 +14,10 @@ import sys
 import time
 
 import pytest
+from test_train import ENV, MESHRL, REPO, SMALL, records
 
 from meshrl.configs import ConfigError, load_config
 from meshrl.topology.worker import check_address, tls_env
-
-from test_train import ENV, MESHRL, REPO, SMALL, records
 
 
 @pytest.mark.parametrize(
@@ -65,8 +64,10 @@ def test_tls_files_reach_monarch_through_its_environment():
     }  # fmt: skip
 
 
-SUBMIT = "import sys; from meshrl.configs import load_config; from meshrl.topology.placement import slurm_job; " \
-         "slurm_job(load_config(sys.argv[1:]).topology).apply()"
+SUBMIT = (
+    "import sys; from meshrl.configs import load_config; from meshrl.topology.placement import slurm_job; "
+    "slurm_job(load_config(sys.argv[1:]).topology).apply()"
+)
 
 
 def test_slurm_request_from_the_config(tmp_path):
@@ -157,7 +158,7 @@ def _certificates(directory, ca_name: str, names: list[str]) -> dict[str, list[s
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
 
     def build(subject: str, key, issuer: str, signer, ca: bool) -> x509.Certificate:
         builder = (
@@ -186,7 +187,9 @@ def _certificates(directory, ca_name: str, names: list[str]) -> dict[str, list[s
     for name in names:
         key = ec.generate_private_key(ec.SECP256R1())
         cert = build(name, key, ca_name, ca_key, ca=False)
-        key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        key_pem = key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
         files[name] = [write(directory / f"{name}.crt", cert.public_bytes(serialization.Encoding.PEM)),
                        write(directory / f"{name}.key", key_pem), ca_path]  # fmt: skip
     return files

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from meshrl.inference.toolcalls import MALFORMED, parse_tool_calls
 from meshrl.models.tiny import build_tokenizer
 from meshrl.tasks.base import Demonstrating, Hinting, Prompt, Task
-from meshrl.inference.toolcalls import MALFORMED, parse_tool_calls
 from meshrl.tasks.toy import LOOKUP, ToolTask
 from meshrl.traces.collator import to_message
 from meshrl.traces.schema import TraceExample
@@ -250,7 +250,9 @@ def test_parse_round_trips_the_toy_episode(tokenizer):
     task, prompt = _prompt()
     action = task.oracle_action(prompt, prompt.messages)
     _, completion = _rendered_completion(tokenizer, "", [(LOOKUP, {"key": prompt.info["key"]})])
-    assert completion == '\n<tool_call>{"name": "lookup", "arguments": {"key": "%s"}}</tool_call>' % prompt.info["key"]
+    assert (
+        completion == f'\n<tool_call>{{"name": "lookup", "arguments": {{"key": "{prompt.info["key"]}"}}}}</tool_call>'
+    )
     assert parse_tool_calls(completion) == ("", action["tool_calls"])
     sampled = tokenizer(completion + "<|im_end|>", add_special_tokens=False)["input_ids"]  # as the rollout decodes
     assert parse_tool_calls(tokenizer.decode(sampled, skip_special_tokens=True)) == ("", action["tool_calls"])

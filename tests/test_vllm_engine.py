@@ -64,9 +64,12 @@ def test_sampling_kwargs_ask_for_one_sample_with_its_logprob_and_no_text():
         "seed": 11,
         "detokenize": False,
     }
-    assert to_sampling_kwargs(temperature=0.0, top_p=1.0, max_new_tokens=1, stop_token_ids=None, seed=None)[
-        "stop_token_ids"
-    ] == []
+    assert (
+        to_sampling_kwargs(temperature=0.0, top_p=1.0, max_new_tokens=1, stop_token_ids=None, seed=None)[
+            "stop_token_ids"
+        ]
+        == []
+    )
 
 
 def test_request_seeds_are_reproducible_and_distinct_for_duplicated_prompts():
@@ -114,9 +117,9 @@ def test_outputs_that_break_the_contract_are_refused():
 @pytest.mark.slow
 def test_the_engine_on_the_tiny_model(tmp_path):
     pytest.importorskip("vllm")
+    from meshrl.configs.schema import TinyModelConfig
     from meshrl.inference.hf_engine import top_p_filter
     from meshrl.inference.vllm_engine import VLLMEngine
-    from meshrl.configs.schema import TinyModelConfig
     from meshrl.models.tiny import build_model, build_tokenizer, ensure_tiny
 
     spec = TinyModelConfig(hidden_size=128, num_heads=2)  # head size 64: every vLLM attention backend takes it

@@ -66,7 +66,7 @@ class Placement:
         hosts = attach_to_workers(ca="trust_all_connections", workers=topology.workers, name="meshrl")
         try:
             hosts.initialized.get(timeout=topology.attach_timeout_s)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any attach failure: one message naming the workers
             raise RuntimeError(
                 f"could not attach to topology.workers {topology.workers} within {topology.attach_timeout_s:.0f} s "
                 f"({type(exc).__name__}: {exc}); is `meshrl worker --address ADDRESS` running for each, "
@@ -92,7 +92,11 @@ class Placement:
         index = self.host_index(role, rank)
         if self.topology.mode == "attach":
             return self.topology.workers[index]
-        return "this host" if self.topology.mode == "local" else f"SLURM node {index} of job {self.topology.slurm.job_name}"
+        return (
+            "this host"
+            if self.topology.mode == "local"
+            else f"SLURM node {index} of job {self.topology.slurm.job_name}"
+        )
 
     def host_alive(self, role: str, rank: int) -> bool:
         """Whether the host of a role's rank can still run processes (attached workers are probed;

@@ -24,6 +24,7 @@ OnBadLine = Literal["error", "skip"]
 MAX_DEPTH = 100  # deeper JSON cannot come from Claude Code and would not serialize back out
 IMAGE = "[image]"
 
+
 class TraceFormatError(ValueError):
     """A line that is not a Claude Code envelope; names the file and line so it can be found."""
 
@@ -86,8 +87,15 @@ def _load(raw: bytes) -> dict[str, Any]:
     return _mend(value)
 
 
-_TYPE_NAMES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
-               float: "a number", type(None): "null"}
+_TYPE_NAMES = {
+    dict: "an object",
+    list: "an array",
+    str: "a string",
+    bool: "a boolean",
+    int: "a number",
+    float: "a number",
+    type(None): "null",
+}
 
 
 def _kind(value: Any) -> str:

@@ -19,8 +19,9 @@ teaches the wrong thing.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -168,11 +169,15 @@ class TraceCollator:
         if not texts:
             return []
         out = []
-        for encoding, text, text_spans in zip(self._backend.encode_batch(texts, add_special_tokens=False), texts, spans):
+        for encoding, text, text_spans in zip(
+            self._backend.encode_batch(texts, add_special_tokens=False), texts, spans
+        ):
             ids = np.asarray(encoding.ids, dtype=np.int64)
             mask = np.zeros(ids.size, dtype=bool)
             for lo, hi in text_spans:
-                mask[self._first_token_from(encoding, lo, len(text)) : self._first_token_from(encoding, hi, len(text))] = True
+                mask[
+                    self._first_token_from(encoding, lo, len(text)) : self._first_token_from(encoding, hi, len(text))
+                ] = True
             out.append(Encoded(ids, mask))
         return out
 
@@ -272,7 +277,9 @@ class TraceCollator:
             for action in (pair["chosen"], pair["rejected"]):
                 full = self.render([*state, to_message(action)])
                 if not full.startswith(prompt):
-                    raise ValueError("the chat template does not render the pair's prompt as a prefix of prompt+response")
+                    raise ValueError(
+                        "the chat template does not render the pair's prompt as a prefix of prompt+response"
+                    )
                 end = full.rfind(self.footer) + len(self.footer) if self.footer else len(full)
                 texts.append(full)
                 spans.append([(len(prompt), end)])
@@ -342,7 +349,10 @@ class TraceCollator:
                 batch["sdpo_student_input_ids"], batch["sdpo_teacher_input_ids"] = ids[:half], ids[half:]
                 batch["sdpo_student_attention_mask"] = attention[:half]
                 batch["sdpo_teacher_attention_mask"] = attention[half:]
-                batch["sdpo_student_position_ids"], batch["sdpo_teacher_position_ids"] = positions[:half], positions[half:]
+                batch["sdpo_student_position_ids"], batch["sdpo_teacher_position_ids"] = (
+                    positions[:half],
+                    positions[half:],
+                )
                 loss_mask = torch.full_like(ids[half:], IGNORE)
                 loss_mask[mask[half:]] = 1
                 batch["sdpo_loss_mask"] = loss_mask

@@ -13,14 +13,23 @@ from meshrl.traces.schema import ErrorMeta, Turn
 EXCERPT_CHARS = 300
 
 DEFAULT_RULES: tuple[tuple[str, str], ...] = (
-    ("command_not_found", r"command not found|not recognized as an internal or external command"
-     r"|executable file not found|\bexit code 127\b"),
-    ("file_not_found", r"no such file or directory|\bENOENT\b|file does not exist|FileNotFoundError"
-     r"|path does not exist|directory does not exist"),
+    (
+        "command_not_found",
+        r"command not found|not recognized as an internal or external command"
+        r"|executable file not found|\bexit code 127\b",
+    ),
+    (
+        "file_not_found",
+        r"no such file or directory|\bENOENT\b|file does not exist|FileNotFoundError"
+        r"|path does not exist|directory does not exist",
+    ),
     ("permission_denied", r"permission denied|\bEACCES\b|\bEPERM\b|operation not permitted|PermissionError"),
     ("syntax_error", r"syntax ?error|IndentationError|unexpected token|unexpected end of input"),
-    ("connection_error", r"connection refused|\bECONNREFUSED\b|\bECONNRESET\b|connection reset"
-     r"|timed out|\bETIMEDOUT\b|could not resolve host|name or service not known|network is unreachable"),
+    (
+        "connection_error",
+        r"connection refused|\bECONNREFUSED\b|\bECONNRESET\b|connection reset"
+        r"|timed out|\bETIMEDOUT\b|could not resolve host|name or service not known|network is unreachable",
+    ),
 )
 
 

@@ -108,9 +108,7 @@ def trace_states(example: TraceExample) -> list[ReplayState]:
     ]
 
 
-def mine_pairs(
-    state: ReplayState, teacher_actions: Mapping[str, Action | None], min_agree: int
-) -> DpoPair | None:
+def mine_pairs(state: ReplayState, teacher_actions: Mapping[str, Action | None], min_agree: int) -> DpoPair | None:
     """The pair at this state when at least `min_agree` teachers agree on another action.
 
     Teachers that failed (None) are left out. The largest group of equal actions is the

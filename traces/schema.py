@@ -44,7 +44,6 @@ class Turn(_Strict):
         None, description="Assistant turns sampled by the policy: the sampler's logprob of each token of the turn."
     )
 
-
     @classmethod
     def from_message(cls, message: Any) -> Turn:
         """A turn from a chat message: flat tool calls or OpenAI's `{"function": {...}}` form,

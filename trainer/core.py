@@ -144,7 +144,11 @@ class TrainerCore:
         self.optimizer.zero_grad(set_to_none=True)
         if schedule:
             self.scheduler.step()
-        return {"grad_norm": float(norm), "skipped_steps": float(self.skipped_steps), "lr": self.scheduler.get_last_lr()[0]}
+        return {
+            "grad_norm": float(norm),
+            "skipped_steps": float(self.skipped_steps),
+            "lr": self.scheduler.get_last_lr()[0],
+        }
 
     def _loss(self, batch: dict[str, Any], rl_token_count: float | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
         """The composed loss of one batch, through `ModelCall` (so FSDP2's root hooks run)."""
@@ -169,7 +173,11 @@ class TrainerCore:
         return passes
 
     def train_step(
-        self, rl_shards: list[list[dict[str, Any]]], aux_shards: list[dict[str, Any] | None], rl_tokens: int, rank: int = 0
+        self,
+        rl_shards: list[list[dict[str, Any]]],
+        aux_shards: list[dict[str, Any] | None],
+        rl_tokens: int,
+        rank: int = 0,
     ) -> dict[str, float]:
         """One optimizer step over rank `rank`'s RL micro-batches and its replay/SDPO batch.
 
