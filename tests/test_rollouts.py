@@ -1,0 +1,24 @@
+"""Rollouts to trainer rows: group advantages and the zero-advantage filter."""
+
+from __future__ import annotations
+
+from meshrl.rollouts.advantages import group_advantages
+from meshrl.rollouts.batches import rl_shards
+from meshrl.rollouts.episodes import Rollout
+from meshrl.tasks.base import Prompt
+
+
+def _rollout(prompt_id: str, reward: float) -> Rollout:
+    prompt = Prompt(prompt_id, [{"role": "user", "content": "q"}])
+    return Rollout(prompt, [], [1, 2, 3, 4], [False, False, True, True], [0.0, 0.0, -0.5, -0.7], 0, reward=reward)
+
+
+def test_a_group_with_equal_rewards_has_exactly_zero_advantage_and_no_rows():
+    # 0.4 * 3 / 3 is 0.4000000000000001 in floats: the group mean misses the shared reward.
+    rollouts = [_rollout("same", 0.4) for _ in range(3)] + [_rollout("mixed", 0.0), _rollout("mixed", 1.0)]
+    advantages = group_advantages(rollouts)
+    assert advantages == [0.0, 0.0, 0.0, -0.5, 0.5]
+    rl = rl_shards(rollouts, advantages, micro_batch_tokens=64, pad_id=0, world=1)
+    assert rl.tokens == 4  # only the two rollouts of the mixed group, two sampled tokens each
+    (shard,) = rl.shards
+    assert sum(int(b["loss_mask"].sum()) for b in shard) == 4
