@@ -45,11 +45,25 @@ class TinyModelConfig(Section):
     num_layers: int = Field(2, ge=1, le=48, description="Decoder layers of the tiny transformer.")
     num_heads: int = Field(4, ge=1, le=64, description="Attention heads of the tiny transformer.")
     max_position_embeddings: int = Field(2048, ge=64, description="Longest sequence the tiny transformer accepts.")
+    family: Literal["llama", "qwen2", "qwen3"] = Field(
+        "llama", description="Architecture of the tiny transformer (Qwen families: the shapes real checkpoints have)."
+    )
+    num_kv_heads: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description="Key/value heads (grouped-query attention when fewer than num_heads); None: num_heads.",
+    )
+    tie_embeddings: bool = Field(
+        False, description="Share the input embedding with the LM head (Qwen2.5 <= 3B, Llama-3.2)."
+    )
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> TinyModelConfig:
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.num_kv_heads}")
         return self
 
 

@@ -2,7 +2,8 @@
 
 The tokenizer is a byte-level BPE (any text encodes) trained on a small built-in corpus,
 with ChatML-style special tokens and a chat template that renders tool calls and tool
-results. The model is a small Llama. Both are saved in HF format and loaded back through
+results. The model is a small Llama, Qwen2 or Qwen3 (optionally with grouped-query attention
+and tied embeddings, the shapes real checkpoints have). Both are saved in HF format and loaded back through
 the same `from_pretrained` path a real model takes.
 """
 
@@ -14,9 +15,25 @@ import tempfile
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from meshrl.configs.schema import TinyModelConfig
+
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+}
 
 SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -87,24 +104,27 @@ def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     )
 
 
-def build_model(spec: TinyModelConfig, tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> LlamaForCausalLM:
+def build_model(spec: TinyModelConfig, tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> PreTrainedModel:
+    """A randomly initialised causal LM of `spec.family` (Llama, Qwen2, Qwen3), optionally with
+    grouped-query attention and tied embeddings, as real checkpoints have them."""
     import torch
 
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    config_class, model_class = FAMILIES[spec.family]
+    config = config_class(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.hidden_size * 4,
         num_hidden_layers=spec.num_layers,
         num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads or spec.num_heads,
         max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=False,
+        tie_word_embeddings=spec.tie_embeddings,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
     )
-    return LlamaForCausalLM(config)
+    return model_class(config)
 
 
 def ensure_tiny(directory: str | Path, spec: TinyModelConfig | None = None, seed: int = 0) -> Path:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_model, save_model
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -269,7 +269,7 @@ class TrainerCore:
             directory / "trainer.pt",
         )
         if self.ref_model is not None:
-            save_file(self.ref_model.state_dict(), str(directory / "reference.safetensors"))
+            save_model(self.ref_model, str(directory / "reference.safetensors"))  # tied weights stored once
 
     def load(self, directory: str | Path) -> None:
         """Every rank reads the checkpoint rank 0 wrote and keeps its own part."""
@@ -285,4 +285,4 @@ class TrainerCore:
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
         if self.ref_model is not None and (directory / "reference.safetensors").exists():
-            self.ref_model.load_state_dict(load_file(str(directory / "reference.safetensors")))
+            load_model(self.ref_model, str(directory / "reference.safetensors"))
