@@ -46,8 +46,8 @@ class TrainerActor(Actor):
         return self.core.sft_step(shards[self.rank])
 
     @endpoint
-    def reset_reference(self) -> None:
-        self.core.reset_reference()
+    def start_rl(self) -> None:
+        self.core.start_rl()
 
     @endpoint
     def policy_weights(self) -> dict[str, torch.Tensor] | None:

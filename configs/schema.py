@@ -191,6 +191,9 @@ class TrainerConfig(Section):
     warm_start_steps: int = Field(0, ge=0, description="SFT steps on the task's demonstrations before RL (0 = none).")
     warm_start_batch_size: int = Field(16, ge=1, description="Demonstrations per warm-start step.")
     warm_start_lr: float | None = Field(None, gt=0, description="Learning rate of the warm start (None = trainer.lr).")
+    warm_start_keep_optimizer: bool = Field(
+        False, description="RL continues the warm start's AdamW moments (default: RL starts with fresh ones)."
+    )
 
 
 # --------------------------------------------------------------------------- loss

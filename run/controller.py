@@ -334,7 +334,7 @@ class Controller:
         for i in range(steps):
             chunk = demos[i * size : (i + 1) * size]
             self.trainers.sft_step.call([self.collator(chunk[r::world]).batch for r in range(world)]).get()
-        self.trainers.reset_reference.call().get()
+        self.trainers.start_rl.call().get()
         self._push_weights(0)
 
     def train(self, progress: Progress) -> None:

@@ -212,8 +212,12 @@ class TrainerCore:
         metrics.update(self._apply())
         return metrics
 
-    def reset_reference(self) -> None:
-        """The DPO reference is the policy RL starts from (after any warm start)."""
+    def start_rl(self) -> None:
+        """After a warm start: the DPO reference becomes the policy RL starts from, and RL starts
+        with fresh AdamW moments (the warm start's, at its own learning rate, would steer the first
+        RL steps) unless `trainer.warm_start_keep_optimizer`."""
+        if not self.config.trainer.warm_start_keep_optimizer:
+            self.optimizer.state.clear()
         if self.ref_model is not None:
             self.ref_model.load_state_dict(self.model.state_dict())
 
