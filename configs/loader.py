@@ -1,7 +1,7 @@
 """Compose a RunConfig from defaults, `@ file.toml` presets and dotted CLI overrides.
 
 Sources apply left to right: later presets deep-merge over earlier ones, overrides over
-both. Every leaf remembers where it was set, so a validation error names the key *and*
+both; free-form dicts (`task.kwargs`, `loss.kwargs`) are replaced whole, so `{}` clears them. Every leaf remembers where it was set, so a validation error names the key *and*
 the file (or the command line) it came from.
 """
 
@@ -46,7 +46,7 @@ def _merge(
 ) -> None:
     for key, value in src.items():
         path = (*prefix, key)
-        if isinstance(value, dict) and isinstance(dst.get(key), dict):
+        if isinstance(value, dict) and isinstance(dst.get(key), dict) and key not in FREE_FORM:
             _merge(dst[key], value, origin, where, path)
             continue
         dst[key] = value
@@ -111,7 +111,7 @@ def parse_sources(args: list[str]) -> list[tuple[str, dict[str, Any]]]:
     """Split CLI words into ordered (origin, partial config) sources.
 
     Forms: `@ file.toml` or `@file.toml`; `--a.b value`, `--a.b=value`; a bare `--flag`
-    followed by another `--` word or nothing means true.
+    followed by another `--` word or nothing means true, a bare `--no-flag` (`--a.no-b`) false.
     """
     sources: list[tuple[str, dict[str, Any]]] = []
     i = 0
@@ -132,7 +132,9 @@ def parse_sources(args: list[str]) -> list[tuple[str, dict[str, Any]]]:
                     raw = args[i + 1]
                     i += 1
                 else:
-                    raw = "true"
+                    head, dot, last = key.rpartition(".")
+                    negated = last.startswith(("no-", "no_"))
+                    key, raw = (f"{head}{dot}{last[3:]}", "false") if negated else (key, "true")
             sources.append((COMMAND_LINE, _nest(key, _parse_value(key, raw))))
             i += 1
         else:

@@ -142,6 +142,11 @@ class TopologyConfig(Section):
             raise ValueError("tls:// workers need topology.tls.cert, topology.tls.key and topology.tls.ca")
         if self.mode == "attach" and not self.workers:
             raise ValueError("mode 'attach' needs at least one address in topology.workers")
+        if self.mode != "attach" and self.workers:
+            raise ValueError(
+                f"topology.workers is set but topology.mode is {self.mode!r}, which does not read it: "
+                "add --topology.mode attach (or drop the workers)"
+            )
         for role in ROLES:
             hosts = getattr(self, role).hosts
             if self.mode == "local" and hosts > 1:
@@ -164,12 +169,23 @@ class GeneratorConfig(Section):
     temperature: float = Field(1.0, gt=0, le=4.0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1.0, description="Nucleus sampling mass.")
     max_new_tokens: int = Field(64, ge=1, description="Longest completion per turn.")
-    samples_per_prompt: int = Field(4, ge=1, description="Rollouts per prompt (the advantage group size).")
+    samples_per_prompt: int = Field(
+        4, ge=2, description="Rollouts per prompt (the advantage group size; one alone always has advantage 0)."
+    )
     max_async_level: int = Field(1, ge=0, description="Policy versions generation may run ahead of training.")
     max_off_policy_steps: int = Field(8, ge=0, description="Rollouts older than this many versions are dropped.")
     weight_sync: Literal["tensors", "rdma"] = Field(
         "tensors", description="Weights to generators as pickled endpoint tensors or read from an RDMA buffer."
     )
+
+    @model_validator(mode="after")
+    def _staleness_fits(self) -> GeneratorConfig:
+        if self.max_async_level > self.max_off_policy_steps:
+            raise ValueError(
+                f"max_async_level {self.max_async_level} > max_off_policy_steps {self.max_off_policy_steps}: "
+                "rollouts generated that far ahead would be dropped as stale"
+            )
+        return self
 
 
 # --------------------------------------------------------------------------- trainer
@@ -306,6 +322,14 @@ class TeachersConfig(Section):
     wait_s: float = Field(
         5.0, ge=0, description="Seconds a step waits for the teachers' answers; later ones are mined a step later."
     )
+
+    @model_validator(mode="after")
+    def _enough_teachers_to_agree(self) -> TeachersConfig:
+        if self.members and self.min_agree > len(self.members):
+            raise ValueError(
+                f"min_agree {self.min_agree} > the {len(self.members)} teacher(s) in teachers.members: no pair could be mined"
+            )
+        return self
 
 
 # --------------------------------------------------------------------------- task, ckpt, metrics

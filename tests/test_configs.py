@@ -215,7 +215,9 @@ def test_kebab_case_keys_in_toml(tmp_path):
 
 
 def test_json_list_and_dict_values():
-    config = load_config(["--topology.workers", '["tcp://h:1", "tcp://g:2"]', "--task.kwargs", '{"n": 3}'])
+    config = load_config(
+        ["--topology.mode", "attach", "--topology.workers", '["tcp://h:1", "tcp://g:2"]', "--task.kwargs", '{"n": 3}']
+    )
     assert config.topology.workers == ["tcp://h:1", "tcp://g:2"]
     assert config.task.kwargs == {"n": 3}
     assert load_config(["--trainer.betas=[0.8, 0.9]"]).trainer.betas == (0.8, 0.9)
@@ -505,7 +507,7 @@ def test_worker_address_scheme(address):
 
 
 def test_valid_worker_addresses():
-    config = load_config(["--topology.workers", '["tcp://a:1", "tcp://b:2"]'])
+    config = load_config(["--topology.mode", "attach", "--topology.workers", '["tcp://a:1", "tcp://b:2"]'])
     assert config.topology.workers == ["tcp://a:1", "tcp://b:2"]
 
 
@@ -647,3 +649,33 @@ def test_union_tag_fields_have_description():
     # every field carries one; `meshrl config keys` never lists loss.type for that reason.
     missing = [path for path, _, _, field in _all_fields() if not (field.description or "").strip()]
     assert missing == []
+
+
+# Config traps a user met (issue #11 item 12): each was accepted and silently did the wrong thing.
+
+
+def test_task_kwargs_from_the_command_line_replace_the_presets():
+    local = ["@", str(CONFIGS / "local.toml")]
+    assert load_config(local).task.kwargs  # the toy's kwargs
+    assert load_config([*local, "--task.kwargs", "{}"]).task.kwargs == {}
+    assert load_config([*local, "--task.kwargs", '{"n_keys": 3}']).task.kwargs == {"n_keys": 3}
+
+
+def test_no_flag_negates_a_boolean():
+    assert load_config(["--resume"]).resume is True
+    assert load_config(["--resume", "--no-resume"]).resume is False
+    assert load_config(["--trainer.no-warm-start-keep-optimizer"]).trainer.warm_start_keep_optimizer is False
+
+
+@pytest.mark.parametrize(
+    "args, key, words",
+    [
+        (["--topology.workers", '["tcp://127.0.0.1:1"]'], "topology", "topology.mode attach"),
+        (["--generator.samples_per_prompt", "1"], "generator.samples_per_prompt", "greater than or equal to 2"),
+        (["--teachers.members", '[{"backend": "oracle"}]'], "teachers", "min_agree 2 > the 1 teacher"),
+        (["--generator.max_async_level", "3", "--generator.max_off_policy_steps", "2"], "generator", "stale"),
+    ],
+)
+def test_settings_that_could_never_train_are_refused(args, key, words):
+    message = _error(args)
+    assert key in message and words in message, message
