@@ -1,8 +1,9 @@
 """Compose a RunConfig from defaults, `@ file.toml` presets and dotted CLI overrides.
 
 Sources apply left to right: later presets deep-merge over earlier ones, overrides over
-both; free-form dicts (`task.kwargs`, `loss.kwargs`) are replaced whole, so `{}` clears them. Every leaf remembers where it was set, so a validation error names the key *and*
-the file (or the command line) it came from.
+both; free-form dicts (`task.kwargs`, `loss.kwargs`) are replaced whole, so `{}` clears them.
+Every leaf remembers where it was set, so a validation error names the key *and* the file (or
+the command line) it came from.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 The tokenizer is a byte-level BPE (any text encodes) trained on a small built-in corpus,
 with ChatML-style special tokens and a chat template that renders tool calls and tool
 results. The model is a small Llama, Qwen2 or Qwen3 (optionally with grouped-query attention
-and tied embeddings, the shapes real checkpoints have). Both are saved in HF format and loaded back through
-the same `from_pretrained` path a real model takes.
+and tied embeddings, the shapes real checkpoints have). Both are saved in HF format and loaded
+back through the same `from_pretrained` path a real model takes.
 """
 
 from __future__ import annotations

@@ -54,12 +54,8 @@ def rl_shards(
             continue
         ids, mask, lp = (np.asarray(x) for x in (r.token_ids, r.loss_mask, r.logprobs))
         if ids.size > micro_batch_tokens:
-            ids, mask, lp, truncated = (
-                ids[:micro_batch_tokens],
-                mask[:micro_batch_tokens],
-                lp[:micro_batch_tokens],
-                truncated + 1,
-            )
+            ids, mask, lp = ids[:micro_batch_tokens], mask[:micro_batch_tokens], lp[:micro_batch_tokens]
+            truncated += 1
         rows.append(Encoded(ids.astype(np.int64), mask.astype(bool), lp.astype(np.float32)))
         values.append(a)
     shards: list[list[dict[str, Any]]] = [[] for _ in range(world)]
