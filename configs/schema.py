@@ -167,7 +167,9 @@ class TopologyConfig(Section):
 class GeneratorConfig(Section):
     backend: Literal["hf", "vllm"] = Field("hf", description="Inference engine: HF on CPU, or vLLM on GPU.")
     temperature: float = Field(1.0, gt=0, le=4.0, description="Sampling temperature.")
-    top_p: float = Field(1.0, gt=0, le=1.0, description="Nucleus sampling mass.")
+    top_p: float = Field(
+        1.0, gt=0, le=1.0, description="Nucleus sampling mass; RL needs 1.0 (the trainer scores the full softmax)."
+    )
     max_new_tokens: int = Field(64, ge=1, description="Longest completion per turn.")
     samples_per_prompt: int = Field(
         4, ge=2, description="Rollouts per prompt (the advantage group size; one alone always has advantage 0)."
@@ -177,6 +179,19 @@ class GeneratorConfig(Section):
     weight_sync: Literal["tensors", "rdma"] = Field(
         "tensors", description="Weights to generators as pickled endpoint tensors or read from an RDMA buffer."
     )
+
+    @field_validator("top_p")
+    @classmethod
+    def _untruncated(cls, top_p: float) -> float:
+        """The trainer scores sampled tokens under softmax(logits / temperature) over the whole
+        vocabulary; logprobs from a truncated sampler would bias the importance ratio, the DPPO
+        mask and the KL term, and a token outside the trainer's nucleus has no logprob at all."""
+        if top_p < 1.0:
+            raise ValueError(
+                f"top_p {top_p} < 1 is refused for RL: the trainer scores the full distribution at "
+                "generator.temperature; lower the temperature instead"
+            )
+        return top_p
 
     @model_validator(mode="after")
     def _staleness_fits(self) -> GeneratorConfig:

@@ -85,9 +85,14 @@ def sample_spans(batch: dict[str, Tensor]) -> list[tuple[int, int, int]]:
 
 
 def _rl_channel(
-    model: nn.Module, batch: dict[str, Tensor], fn: Callable, token_count: Tensor | int | None, chunk_size: int
+    model: nn.Module,
+    batch: dict[str, Tensor],
+    fn: Callable,
+    token_count: Tensor | int | None,
+    chunk_size: int,
+    temperature: float,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    logprobs = sequence_token_logprobs(model, batch["input_ids"], chunk_size, **_forward_kwargs(batch, ""))
+    logprobs = sequence_token_logprobs(model, batch["input_ids"], chunk_size, temperature, **_forward_kwargs(batch, ""))
     loss_mask = batch["loss_mask"].bool()
     total = logprobs.sum() * 0.0  # keeps a graph even when every sample is empty
     per_metric: dict[str, list[Tensor]] = {}
@@ -179,17 +184,20 @@ def compose_loss(
     rl_token_count: Tensor | int | None = None,
     ref_model: nn.Module | None = None,
     chunk_size: int = 1024,
+    temperature: float = 1.0,
 ) -> LossOutputs:
     """Every live channel's loss on one micro-batch, summed with its weight.
 
     `rl_token_count` is the loss-mask token count summed over data-parallel ranks (the
     local count when None); `ref_model` is the frozen DPO reference when the batch brings
-    no precomputed reference sums.
+    no precomputed reference sums; `temperature` is the sampler's: the RL channel scores
+    tokens under softmax(logits / temperature), the distribution their inference logprobs
+    came from, so the importance ratio, the DPPO mask and the KL compare like with like.
     """
     metrics: dict[str, Tensor] = {}
     total: Tensor | None = None
     if all(k in batch for k in RL_KEYS):
-        rl, rl_metrics = _rl_channel(model, batch, rl_fn or rl_loss_fn(config), rl_token_count, chunk_size)
+        rl, rl_metrics = _rl_channel(model, batch, rl_fn or rl_loss_fn(config), rl_token_count, chunk_size, temperature)
         total = rl
         metrics.update(rl_metrics)
         metrics["loss/rl"] = rl.detach()

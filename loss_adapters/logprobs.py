@@ -67,8 +67,25 @@ def naive_token_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, tempera
     return torch.log_softmax(logits, dim=-1).gather(1, labels[:, None]).squeeze(1)
 
 
+# Config attributes of families whose logits are not hidden @ headᵀ: scoring them as if they were
+# would give logprobs the model never samples from.
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
 def lm_head_weight(model: nn.Module) -> Tensor:
-    """The output-embedding matrix (V, H) of an HF causal LM; a head with a bias is refused."""
+    """The output-embedding matrix (V, H) of an HF causal LM.
+
+    A head with a bias, and families that soft-cap or scale their logits (Gemma 2's
+    final_logit_softcapping, Cohere's logit_scale, Granite's logits_scaling, ...), are refused by name.
+    """
+    config = getattr(model, "config", None)
+    for name in LOGIT_TRANSFORMS:
+        value = getattr(config, name, None)
+        if value is not None and value != 1:
+            raise ValueError(
+                f"{config.model_type} models transform their logits ({name} = {value}); "
+                "chunked logprobs support plain hidden @ head logits"
+            )
     head = model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise ValueError("chunked logprobs support LM heads without a bias")

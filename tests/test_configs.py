@@ -404,7 +404,7 @@ def test_bad_value_in_preset_names_file_and_key(tmp_path):
 
 
 def test_bad_value_in_second_preset_names_that_file(tmp_path):
-    good = _write(tmp_path, "good.toml", "[generator]\ntop_p = 0.9\n")
+    good = _write(tmp_path, "good.toml", "[generator]\ntemperature = 0.7\n")
     bad = _write(tmp_path, "bad.toml", "[generator]\ntemperature = 9.0\n")
     message = _error(["@", str(good), "@", str(bad), "--seed", "3"])
     assert f"{bad}: generator.temperature" in message
@@ -465,6 +465,7 @@ def test_preset_that_is_a_directory_errors(tmp_path):
         (["--loss.kl_tau", "-0.1"], "loss.kl_tau"),
         (["--generator.top_p", "1.01"], "generator.top_p"),
         (["--generator.top_p", "0"], "generator.top_p"),
+        (["--generator.top_p", "0.9"], "top_p 0.9 < 1 is refused for RL"),
         (["--generator.temperature", "0"], "generator.temperature"),
         (["--max_steps", "0"], "max_steps"),
         (["--seed", "-1"], "seed"),

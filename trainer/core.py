@@ -157,6 +157,7 @@ class TrainerCore:
             out = compose_loss(
                 model, batch, self.config.loss, rl_fn=self.rl_fn, rl_token_count=rl_token_count,
                 ref_model=self.ref_model, chunk_size=self.config.model.logprob_chunk_size,
+                temperature=self.config.generator.temperature,
             )  # fmt: skip
             return out.loss, out.metrics
 
