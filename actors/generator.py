@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from meshrl.configs.schema import RunConfig
 from meshrl.inference.backends import make_engine
-from meshrl.inference.weights import TensorSlot, unflatten_weights
+from meshrl.inference.weights import WeightLayout, unflatten_weights
 from meshrl.rollouts.episodes import EpisodeRunner, Rollout
 from meshrl.tasks.base import Prompt, make_task
 from meshrl.topology.worker import process_info
@@ -54,8 +54,8 @@ class GeneratorActor(Actor):
         self.engine.load_weights(weights, version)
 
     @endpoint
-    def pull_weights(self, buffer: Any, layout: list[TensorSlot], version: int) -> None:
+    def pull_weights(self, buffer: Any, layout: WeightLayout, version: int) -> None:
         """Read the trainer's flat weight buffer straight into a local one, then load it."""
-        flat = torch.empty(sum(slot.numel for slot in layout))
+        flat = layout.empty()
         buffer.read_into(flat).get()
         self.engine.load_weights(unflatten_weights(flat, layout), version)

@@ -11,7 +11,7 @@ from monarch.actor import Actor, current_rank, endpoint
 from monarch.rdma import RDMABuffer
 
 from meshrl.configs.schema import RunConfig
-from meshrl.inference.weights import TensorSlot, flatten_weights
+from meshrl.inference.weights import WeightLayout, flatten_weights
 from meshrl.topology.worker import process_info
 from meshrl.trainer.core import TrainerCore
 
@@ -51,18 +51,19 @@ class TrainerActor(Actor):
 
     @endpoint
     def policy_weights(self) -> dict[str, torch.Tensor] | None:
-        """Rank 0's full weights; the other ranks return None (they join the FSDP2 gather)."""
-        weights = self.core.weights()
+        """Rank 0's full weights in the compute dtype; the other ranks return None (they join the
+        FSDP2 gather)."""
+        weights = self.core.weights(self.core.compute_dtype)
         return weights if self.rank == 0 else None
 
     @endpoint
-    def policy_weights_rdma(self) -> tuple[Any, list[TensorSlot]] | None:
+    def policy_weights_rdma(self) -> tuple[Any, WeightLayout] | None:
         """The weights as one flat buffer generators read directly (RDMA, or Monarch's TCP
         fallback), from rank 0 (None elsewhere). The buffer lives until the next call replaces it."""
         weights = self.core.weights()
         if self.rank != 0:
             return None
-        self._flat, layout = flatten_weights(weights)
+        self._flat, layout = flatten_weights(weights, self.core.compute_dtype)
         self._buffer = RDMABuffer(self._flat)
         return self._buffer, layout
 

@@ -219,6 +219,9 @@ class TrainerConfig(Section):
         "'fsdp2' shards parameters, gradients and optimizer state (fully_shard per decoder layer).",
     )
     micro_batch_tokens: int = Field(4096, ge=16, description="Token budget of one packed micro-batch per rank.")
+    grad_bucket_mb: float = Field(
+        32.0, gt=0, description="DDP: most gradient MB copied into one all-reduce (bounds the extra memory)."
+    )
     warm_start_steps: int = Field(0, ge=0, description="SFT steps on the task's demonstrations before RL (0 = none).")
     warm_start_batch_size: int = Field(16, ge=1, description="Demonstrations per warm-start step.")
     warm_start_lr: float | None = Field(None, gt=0, description="Learning rate of the warm start (None = trainer.lr).")

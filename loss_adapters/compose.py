@@ -118,6 +118,18 @@ def _rl_channel(
     return total / torch.clamp_min(torch.as_tensor(count, dtype=total.dtype), 1), metrics
 
 
+def reference_sums(ref_model: nn.Module, batch: dict[str, Tensor], chunk_size: int) -> dict[str, Tensor]:
+    """The frozen reference's summed response logprobs of each pair side, under the keys
+    (`dpo_ref_chosen_logprob`, `dpo_ref_rejected_logprob`) a batch may bring them in."""
+    sums = {}
+    with torch.no_grad():
+        for side in ("chosen", "rejected"):
+            ids, mask = batch[f"dpo_{side}_input_ids"], batch[f"dpo_{side}_response_mask"]
+            ref = sequence_token_logprobs(ref_model, ids, chunk_size, **_forward_kwargs(batch, f"dpo_{side}_"))
+            sums[f"dpo_ref_{side}_logprob"] = (ref * mask.to(ref.dtype)).sum(-1)
+    return sums
+
+
 def _replay_channel(
     model: nn.Module, batch: dict[str, Tensor], ref_model: nn.Module | None, config: LossConfig, chunk_size: int
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -129,13 +141,9 @@ def _replay_channel(
         for side in ("chosen", "rejected")
     }
     refs: dict[str, Tensor | None] = {side: batch.get(f"dpo_ref_{side}_logprob") for side in ("chosen", "rejected")}
-    if channel.variant == "dpo" and ref_model is not None:
-        with torch.no_grad():
-            for side in ("chosen", "rejected"):
-                if refs[side] is None:
-                    ids, mask = batch[f"dpo_{side}_input_ids"], batch[f"dpo_{side}_response_mask"]
-                    ref = sequence_token_logprobs(ref_model, ids, chunk_size, **_forward_kwargs(batch, f"dpo_{side}_"))
-                    refs[side] = (ref * mask.to(ref.dtype)).sum(-1)
+    if channel.variant == "dpo" and ref_model is not None and any(ref is None for ref in refs.values()):
+        sums = reference_sums(ref_model, batch, chunk_size)
+        refs = {side: sums[f"dpo_ref_{side}_logprob"] for side in refs}
     out = replay_loss(
         logprobs["chosen"],
         batch["dpo_chosen_response_mask"],
@@ -152,6 +160,11 @@ def _replay_channel(
     return out.loss, out.metrics
 
 
+def _at_least_fp32(logits: Tensor) -> Tensor:
+    """bf16/fp16 logits upcast before a softmax over the vocabulary (too coarse otherwise)."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
 def _sdpo_channel(model: nn.Module, batch: dict[str, Tensor], config: LossConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """JSD between hint-free (student) and hint-conditioned (teacher, no grad) next-token
     distributions, only at recovery tokens: logits exist for those N positions alone."""
@@ -162,8 +175,8 @@ def _sdpo_channel(model: nn.Module, batch: dict[str, Tensor], config: LossConfig
     student = hidden_states(model, batch["sdpo_student_input_ids"], **_forward_kwargs(batch, "sdpo_student_"))
     with torch.no_grad():
         teacher = hidden_states(model, batch["sdpo_teacher_input_ids"], **_forward_kwargs(batch, "sdpo_teacher_"))
-        teacher_logits = teacher[rows, cols] @ weight.T
-    student_logits = student[rows, cols] @ weight.T
+        teacher_logits = _at_least_fp32(teacher[rows, cols] @ weight.T)
+    student_logits = _at_least_fp32(student[rows, cols] @ weight.T)
     loss = generalized_jsd(
         student_logits[None],
         teacher_logits[None],

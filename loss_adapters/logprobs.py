@@ -12,20 +12,30 @@ import torch
 from torch import Tensor, nn
 
 
+def _matmul_dtype(hidden: Tensor) -> torch.dtype:
+    """The dtype the head matmul runs in: autocast's when it is on (bf16 compute over fp32
+    master weights), else the hidden states'. Backward runs outside autocast, so forward
+    records it for backward to recompute the same logits."""
+    device = hidden.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+
+
 class _ChunkedTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int, temperature: float) -> Tensor:
         out = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
         lse = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
+        dtype = _matmul_dtype(hidden)
+        head = weight.to(dtype)
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
-            logits = (hidden[rows] @ weight.T).float()
+            logits = (hidden[rows].to(dtype) @ head.T).float()
             if temperature != 1.0:
                 logits.div_(temperature)
             lse[rows] = torch.logsumexp(logits, dim=-1)
             out[rows] = logits.gather(1, labels[rows, None]).squeeze(1) - lse[rows]
         ctx.save_for_backward(hidden, weight, labels, lse)
-        ctx.chunk_size, ctx.temperature = chunk_size, temperature
+        ctx.chunk_size, ctx.temperature, ctx.dtype = chunk_size, temperature, dtype
         return out
 
     @staticmethod
@@ -34,19 +44,21 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         scale = grad_out.float() / ctx.temperature
+        head = weight.to(ctx.dtype)
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             rows = slice(start, start + ctx.chunk_size)
+            chunk = hidden[rows].to(ctx.dtype)
             # d logprob / d logits = onehot(label) − softmax; scaled by the incoming gradient.
-            grad_logits = (hidden[rows] @ weight.T).float()
+            grad_logits = (chunk @ head.T).float()
             if ctx.temperature != 1.0:
                 grad_logits.div_(ctx.temperature)
             grad_logits.sub_(lse[rows, None]).exp_().mul_(-scale[rows, None])
             grad_logits.scatter_add_(1, labels[rows, None], scale[rows, None])
-            grad_logits = grad_logits.to(hidden.dtype)
+            grad_logits = grad_logits.to(ctx.dtype)
             if grad_hidden is not None:
-                torch.mm(grad_logits, weight, out=grad_hidden[rows])
+                grad_hidden[rows] = grad_logits @ head
             if grad_weight is not None:
-                grad_weight.addmm_(grad_logits.T.float(), hidden[rows].float())
+                grad_weight.add_(grad_logits.T @ chunk)  # in the matmul dtype, accumulated in fp32
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None

@@ -7,6 +7,7 @@ import pytest
 import torch
 from monarch.actor import this_host
 from monarch.spmd import setup_torch_elastic_env
+from transformers import AutoModelForCausalLM
 
 from meshrl.actors.trainer import TrainerActor
 from meshrl.configs import load_config
@@ -47,15 +48,30 @@ def dpo_batch(seed: int, vocab: int, length: int = 12) -> dict[str, torch.Tensor
 
 @pytest.mark.parametrize("parallelism", ["ddp", "fsdp2"])
 def test_two_rank_step_matches_one_rank_and_checkpoints_round_trip(tmp_path, parallelism):
-    args = [*TINY, "--trainer.parallelism", parallelism, "--topology.trainer.procs", "2",
-            "--trainer.lr", "1e-3", "--loss.replay.weight", "0.1"]  # fmt: skip
+    args = [
+        *TINY,
+        "--trainer.parallelism",
+        parallelism,
+        "--topology.trainer.procs",
+        "2",
+        "--trainer.lr",
+        "1e-3",
+        "--loss.replay.weight",
+        "0.1",
+        "--trainer.grad_bucket_mb",
+        "0.002",
+    ]  # fmt: skip - DDP all-reduces in many 2 KB buckets
     config = load_config(args)
     model_path = str(ensure_tiny(tmp_path / "tiny", config.model.tiny, seed=0))
     config = load_config([*args, "--model.path", model_path])
 
     single = TrainerCore(config, model_path)
-    before = {k: v.clone() for k, v in single.weights().items()}
     vocab = single.model.config.vocab_size
+    warm = [rl_batch(single.model, 5), rl_batch(single.model, 6)]  # one SFT batch per rank
+    warm = [{"input_ids": b["input_ids"], "loss_mask": b["loss_mask"]} for b in warm]
+    single.sft_step({k: torch.cat([b[k] for b in warm]) for k in warm[0]})
+    single.start_rl()  # the DPO reference becomes the warm-started policy
+    before = {k: v.clone() for k, v in single.weights().items()}
     # Rank 0 gets two micro-batches and the only replay batch; rank 1 one micro-batch and none.
     shards = [[rl_batch(single.model, 1), rl_batch(single.model, 2)], [rl_batch(single.model, 3)]]
     aux = [dpo_batch(4, vocab), None]
@@ -67,6 +83,8 @@ def test_two_rank_step_matches_one_rank_and_checkpoints_round_trip(tmp_path, par
         setup_torch_elastic_env(procs)
         trainers = procs.spawn("trainer", TrainerActor, config, model_path)
         trainers.setup.call().get()
+        trainers.sft_step.call(warm).get()
+        trainers.start_rl.call().get()  # under FSDP2: sharded policy into a sharded reference
         got = list(trainers.train_step.call(shards, aux, rl_tokens).get().values())
         weights = list(trainers.policy_weights.call().get().values())
         trainers.save_checkpoint.call(str(tmp_path / "ckpt")).get()
@@ -88,4 +106,10 @@ def test_two_rank_step_matches_one_rank_and_checkpoints_round_trip(tmp_path, par
     resumed.load(tmp_path / "ckpt")
     for name, value in resumed.weights().items():
         torch.testing.assert_close(value, weights[0][name])
+    for name, value in resumed.ref_model.state_dict().items():  # the warm-started policy, not the initial model
+        torch.testing.assert_close(value, single.ref_model.state_dict()[name], rtol=1e-4, atol=1e-6)
+    assert not torch.equal(
+        resumed.ref_model.state_dict()["lm_head.weight"],
+        AutoModelForCausalLM.from_pretrained(model_path).lm_head.weight,
+    )
     assert len(resumed.optimizer.state) == len(list(resumed.model.parameters()))  # AdamW moments restored

@@ -7,7 +7,7 @@ import torch
 
 from meshrl.configs import load_config
 from meshrl.models.tiny import ensure_tiny
-from meshrl.trainer.core import TrainerCore
+from meshrl.trainer.core import TrainerCore, grad_buckets
 from tests.test_trainer import dpo_batch, rl_batch
 
 QWEN_TIED = [
@@ -59,3 +59,29 @@ def test_rl_starts_with_fresh_adamw_moments_unless_kept(tmp_path):
     kept.start_rl()
     assert {id(p) for p in kept.optimizer.state} == moments.keys()
     assert all(torch.equal(s["exp_avg"], moments[id(p)]) for p, s in kept.optimizer.state.items())
+
+
+def test_bfloat16_computes_over_float32_master_weights(tmp_path):
+    """At lr 1e-6 pure bf16 weights would stay put (98% unchanged in the issue); float32 masters move."""
+    config = load_config([*QWEN_TIED, "--model.dtype", "bfloat16", "--trainer.lr", "1e-6",
+                          "--loss.replay.weight", "0.5"])  # fmt: skip
+    model_path = str(ensure_tiny(tmp_path / "model", config.model.tiny))
+    core = TrainerCore(config, model_path)
+    assert {p.dtype for p in core.model.parameters()} == {torch.float32}
+    assert {p.dtype for p in core.ref_model.parameters()} == {torch.bfloat16}  # frozen: held in the compute dtype
+    before = {k: v.clone() for k, v in core.weights().items()}
+    metrics = core.train_step([[rl_batch(core.model, 1)]], [dpo_batch(2, core.model.config.vocab_size)], 10)
+    assert metrics["skipped_steps"] == 0
+    after = core.weights()
+    moved = sum(int((after[k] != v).sum()) for k, v in before.items() if "norm" not in k)
+    total = sum(v.numel() for k, v in before.items() if "norm" not in k)
+    assert moved / total > 0.9
+    assert {s["exp_avg"].dtype for s in core.optimizer.state.values()} == {torch.float32}
+    assert {v.dtype for v in core.weights(torch.bfloat16).values()} == {torch.bfloat16}  # what generators get
+
+
+def test_gradient_buckets_bound_each_all_reduce_copy():
+    grads = [torch.zeros(10), torch.zeros(10), torch.zeros(30), torch.zeros(5), torch.zeros(5)]
+    buckets = grad_buckets(grads, cap_bytes=80)
+    assert [[g.numel() for g in b] for b in buckets] == [[10, 10], [30], [5, 5]]  # a 120-byte grad goes alone
+    assert [g for b in buckets for g in b] == grads

@@ -4,11 +4,15 @@
 torch.distributed); `meshrl.actors.trainer.TrainerActor` puts one core on each proc of the
 trainer mesh (gloo on CPU, nccl on GPU). `trainer.parallelism` picks how ranks share the work:
 
-- `ddp`: every rank holds the whole model; one flat all-reduce of the gradients after the
-  micro-batches' backward passes (a DDP wrapper's hooks would not see the composer's direct
-  reads of the trunk and LM head).
+- `ddp`: every rank holds the whole model; the gradients are all-reduced in buckets of at most
+  `trainer.grad_bucket_mb` after the micro-batches' backward passes (a DDP wrapper's hooks would
+  not see the composer's direct reads of the trunk and LM head).
 - `fsdp2`: `fully_shard` on each decoder layer and on a `ModelCall` root around the model,
   so parameters, gradients and optimizer state are sharded across the ranks.
+
+Precision: weights and AdamW state are float32 master copies; `model.dtype` is the compute
+dtype (autocast on one rank or DDP, FSDP2's `MixedPrecisionPolicy` with float32 gradient
+reduction). The frozen DPO reference is held in the compute dtype, sharded like the policy.
 """
 
 from __future__ import annotations
@@ -16,13 +20,13 @@ from __future__ import annotations
 import copy
 import math
 import random
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_model, save_model
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -31,12 +35,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from meshrl.configs.schema import RunConfig
-from meshrl.loss_adapters.compose import compose_loss, rl_loss_fn
+from meshrl.loss_adapters.compose import REPLAY_KEYS, compose_loss, reference_sums, rl_loss_fn
 from meshrl.loss_adapters.logprobs import sequence_token_logprobs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -79,14 +83,34 @@ class ModelCall(nn.Module):
         return fn(self.model, *args)
 
 
-def shard_fsdp2(call: ModelCall) -> None:
-    """`fully_shard` every decoder layer, then the root (over the device's default mesh)."""
+def shard_fsdp2(call: ModelCall, compute_dtype: torch.dtype) -> None:
+    """`fully_shard` every decoder layer, then the root (over the device's default mesh).
+
+    Parameters are gathered in `compute_dtype`, gradients reduced in float32. Forward inputs
+    are not cast: the batch carries float32 logprobs and advantages that must stay float32.
+    """
     layers = getattr(call.model.get_decoder(), "layers", None)
     if layers is None:
         raise ValueError("trainer.parallelism = 'fsdp2' needs a model whose decoder has `.layers`")
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     for layer in layers:
-        fully_shard(layer)
-    fully_shard(call)
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(call, mp_policy=policy)
+
+
+def grad_buckets(grads: list[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
+    """Consecutive gradients grouped so one bucket holds at most `cap_bytes` (a larger single
+    gradient is a bucket of its own): the all-reduce copies one bucket at a time."""
+    buckets: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for g in grads:
+        nbytes = g.numel() * g.element_size()
+        if buckets[-1] and size + nbytes > cap_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(g)
+        size += nbytes
+    return [b for b in buckets if b]
 
 
 class TrainerCore:
@@ -96,18 +120,26 @@ class TrainerCore:
         self.config = config
         self.device = torch.device(device)
         torch.manual_seed(config.seed)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[config.model.dtype]).to(self.device)
+        self.compute_dtype = DTYPES[config.model.dtype]
+        # float32 master weights whatever the checkpoint's dtype: bf16 weights would round away
+        # most updates at RL learning rates (1e-6 moves almost no bf16 weight).
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
         self.model.train()
         loss = config.loss
         needs_ref = loss.replay.weight > 0 and loss.replay.variant == "dpo"
-        self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if needs_ref else None
+        self.ref_model = (
+            copy.deepcopy(self.model).to(self.compute_dtype).eval().requires_grad_(False) if needs_ref else None
+        )
         self.rl_fn = rl_loss_fn(loss)
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.fsdp = config.trainer.parallelism == "fsdp2" and self.world > 1
         self.call = ModelCall(self.model)
+        self.ref_call = ModelCall(self.ref_model) if self.ref_model is not None else None
         if self.fsdp:
-            shard_fsdp2(self.call)
+            shard_fsdp2(self.call, self.compute_dtype)
+            if self.ref_call is not None:
+                shard_fsdp2(self.ref_call, self.compute_dtype)
         t = config.trainer
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
@@ -115,20 +147,28 @@ class TrainerCore:
 
     # ------------------------------------------------------------------ steps
 
+    def _autocast(self) -> AbstractContextManager:
+        """bf16/fp16 compute over the float32 master weights on one rank or DDP (FSDP2 gathers
+        the parameters in the compute dtype itself)."""
+        if self.compute_dtype == torch.float32 or self.fsdp:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
     def _all_reduce_grads(self) -> None:
         if self.world == 1 or self.fsdp:  # FSDP2 reduce-scatters in its post-backward hooks
             return
         for p in self.model.parameters():
             if p.grad is None:  # a rank with no data this step still joins the all-reduce
                 p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in self.model.parameters()]
-        flat = torch.cat([g.flatten() for g in grads])
-        dist.all_reduce(flat)
-        flat /= self.world
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        cap = int(self.config.trainer.grad_bucket_mb * 2**20)
+        for bucket in grad_buckets([p.grad for p in self.model.parameters()], cap):
+            flat = torch.cat([g.flatten() for g in bucket])
+            dist.all_reduce(flat)
+            flat /= self.world
+            offset = 0
+            for g in bucket:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
 
     def _apply(self, schedule: bool = True) -> dict[str, float]:
         """Average grads across ranks, clip, and step — unless any grad is NaN/Inf (then skip, count)."""
@@ -150,18 +190,27 @@ class TrainerCore:
             "lr": self.scheduler.get_last_lr()[0],
         }
 
+    def _with_reference(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """The batch with the DPO reference's summed logprobs of its pairs, scored through the
+        reference's own `ModelCall` (so a sharded reference gathers its weights as the policy does)."""
+        if self.ref_call is None or not all(k in batch for k in REPLAY_KEYS) or "dpo_ref_chosen_logprob" in batch:
+            return batch
+        chunk_size = self.config.model.logprob_chunk_size
+        (sums,) = self.ref_call(lambda model, batch: (reference_sums(model, batch, chunk_size),), batch)
+        return {**batch, **sums}
+
     def _loss(self, batch: dict[str, Any], rl_token_count: float | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
         """The composed loss of one batch, through `ModelCall` (so FSDP2's root hooks run)."""
 
         def fn(model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
             out = compose_loss(
                 model, batch, self.config.loss, rl_fn=self.rl_fn, rl_token_count=rl_token_count,
-                ref_model=self.ref_model, chunk_size=self.config.model.logprob_chunk_size,
-                temperature=self.config.generator.temperature,
+                chunk_size=self.config.model.logprob_chunk_size, temperature=self.config.generator.temperature,
             )  # fmt: skip
             return out.loss, out.metrics
 
-        return self.call(fn, _to(batch, self.device))
+        with self._autocast():
+            return self.call(fn, self._with_reference(_to(batch, self.device)))
 
     def _passes(self, shards: list[list[dict[str, Any]]], rank: int) -> list[tuple[dict[str, Any], float]]:
         """Rank `rank`'s batches at weight 1. Under FSDP2 every rank must run as many
@@ -198,13 +247,16 @@ class TrainerCore:
         metrics = {name: sums[name] / counts[name] for name in sums}
         if rl_shards[rank]:
             metrics["loss/rl"] = sums.get("loss/rl", 0.0)  # micro-batch parts add up to the step's loss
-        # Ranks average their gradients: scale so ranks without a replay/SDPO batch don't dilute it.
-        aux_scale = self.world / max(1, sum(a is not None for a in aux_shards))
-        for batch, weight in self._passes([[a] if a is not None else [] for a in aux_shards], rank):
-            loss, out = self._loss(batch)
-            (loss * weight * aux_scale).backward()
-            if weight:
-                metrics.update({k: float(v) for k, v in out.items() if k != "loss/total"})
+        for channel in self._aux_channels():
+            parts = [{k: v for k, v in (a or {}).items() if k.startswith(channel)} for a in aux_shards]
+            shards = [[part] if part else [] for part in parts]
+            # Ranks average their gradients: scale so ranks without this channel's batch don't dilute it.
+            scale = self.world / max(1, sum(map(len, shards)))
+            for batch, weight in self._passes(shards, rank):
+                loss, out = self._loss(batch)
+                (loss * weight * scale).backward()
+                if weight:
+                    metrics.update({k: float(v) for k, v in out.items() if k != "loss/total"})
         metrics["loss/total"] = (
             metrics.get("loss/rl", 0.0)
             + self.config.loss.replay.weight * metrics.get("loss/replay", 0.0)
@@ -213,14 +265,23 @@ class TrainerCore:
         metrics.update(self._apply())
         return metrics
 
+    def _aux_channels(self) -> list[str]:
+        """Key prefixes of the live replay/SDPO channels. Each runs as its own pass, so under
+        FSDP2 every rank runs each channel's forward passes (collectives) the same number of
+        times even when only some ranks have that channel's data."""
+        loss = self.config.loss
+        return [prefix for prefix, weight in (("dpo_", loss.replay.weight), ("sdpo_", loss.sdpo.weight)) if weight > 0]
+
     def start_rl(self) -> None:
         """After a warm start: the DPO reference becomes the policy RL starts from, and RL starts
         with fresh AdamW moments (the warm start's, at its own learning rate, would steer the first
         RL steps) unless `trainer.warm_start_keep_optimizer`."""
         if not self.config.trainer.warm_start_keep_optimizer:
             self.optimizer.state.clear()
-        if self.ref_model is not None:
-            self.ref_model.load_state_dict(self.model.state_dict())
+        if self.ref_model is not None:  # shard to shard (sharded alike under FSDP2), cast to the compute dtype
+            with torch.no_grad():
+                for ref, param in zip(self.ref_model.parameters(), self.model.parameters(), strict=True):
+                    ref.copy_(param)
 
     def sft_step(self, batch: dict[str, Any]) -> dict[str, float]:
         """Warm start: masked NLL of the assistant tokens (the collator's loss_mask), at the
@@ -237,7 +298,8 @@ class TrainerCore:
             mask = batch["loss_mask"].float()
             return (-(logprobs * mask).sum() / mask.sum().clamp_min(1),)
 
-        (loss,) = self.call(nll, _to(batch, self.device))
+        with self._autocast():
+            (loss,) = self.call(nll, _to(batch, self.device))
         loss.backward()
         metrics = {"loss/sft": float(loss.detach()), **self._apply(schedule=False)}
         for group, value in zip(self.optimizer.param_groups, scheduled):
@@ -246,10 +308,12 @@ class TrainerCore:
 
     # ------------------------------------------------------------------ weights and checkpoints
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        """The full policy weights on CPU on rank 0, {} on the others. Every rank must call:
-        under FSDP2 it is an all-gather."""
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    def weights(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """The full policy weights on CPU on rank 0, {} on the others, in `dtype` when given
+        (generators get the compute dtype; checkpoints keep the float32 masters). Every rank
+        must call: under FSDP2 it is an all-gather."""
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return full if dtype is None else {name: value.to(dtype) for name, value in full.items()}
 
     def save(self, directory: str | Path) -> None:
         """Model (safetensors), optimizer, scheduler and RNG state into `directory`.
@@ -259,11 +323,12 @@ class TrainerCore:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         weights = self.weights()
         optimizer = get_optimizer_state_dict(self.model, self.optimizer, options=options)
+        reference = get_model_state_dict(self.ref_model, options=options) if self.ref_model is not None else None
         if self.rank != 0:
             return
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(directory / "model", state_dict=weights, safe_serialization=True)
+        self.model.save_pretrained(directory / "model", state_dict=weights)
         torch.save(
             {
                 "optimizer": optimizer,
@@ -273,13 +338,13 @@ class TrainerCore:
             },
             directory / "trainer.pt",
         )
-        if self.ref_model is not None:
-            save_model(self.ref_model, str(directory / "reference.safetensors"))  # tied weights stored once
+        if reference is not None:  # save_pretrained stores tied weights once
+            self.ref_model.save_pretrained(directory / "reference", state_dict=reference)
 
     def load(self, directory: str | Path) -> None:
         """Every rank reads the checkpoint rank 0 wrote and keeps its own part."""
         directory = Path(directory)
-        saved = AutoModelForCausalLM.from_pretrained(directory / "model", dtype=DTYPES[self.config.model.dtype])
+        saved = AutoModelForCausalLM.from_pretrained(directory / "model", dtype=torch.float32)
         options = StateDictOptions(full_state_dict=True)
         set_model_state_dict(self.model, saved.state_dict(), options=options)
         state = torch.load(directory / "trainer.pt", weights_only=False)
@@ -289,5 +354,6 @@ class TrainerCore:
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
-        if self.ref_model is not None and (directory / "reference.safetensors").exists():
-            load_model(self.ref_model, str(directory / "reference.safetensors"))
+        if self.ref_model is not None and (directory / "reference").exists():
+            reference = AutoModelForCausalLM.from_pretrained(directory / "reference", dtype=self.compute_dtype)
+            set_model_state_dict(self.ref_model, reference.state_dict(), options=options)
