@@ -15,6 +15,7 @@ from meshrl.inference.backends import make_engine
 from meshrl.inference.weights import WeightLayout, unflatten_weights
 from meshrl.rollouts.episodes import EpisodeRunner, Rollout
 from meshrl.tasks.base import Prompt, make_task
+from meshrl.topology.devices import proc_device, role_gpus
 from meshrl.topology.worker import process_info
 
 
@@ -31,7 +32,9 @@ class GeneratorActor(Actor):
         self.rank = current_rank().rank if rank is None else rank  # a replacement keeps the rank it replaces
         self.config = config
         torch.set_num_threads(max(1, torch.get_num_threads() // max(1, config.topology.generator.procs)))
-        self.engine = make_engine(config.generator.backend, model_path, config.model.dtype)
+        gpus = role_gpus(config.topology, "generator", self.rank)
+        proc_device(config.topology, "generator", self.rank)  # refuses GPUs the host lacks
+        self.engine = make_engine(config.generator.backend, model_path, config.model.dtype, gpus)
         self.runner = EpisodeRunner(self.engine, AutoTokenizer.from_pretrained(model_path), make_task(config.task))
 
     @endpoint

@@ -11,6 +11,7 @@ from meshrl.configs.schema import RunConfig
 from meshrl.teachers.base import Message
 from meshrl.teachers.cache import TeacherCache
 from meshrl.teachers.replay import make_teachers, replay_state, teacher_totals
+from meshrl.topology.devices import proc_device
 from meshrl.topology.worker import process_info
 
 
@@ -26,7 +27,7 @@ class TeacherAnswers:
 class TeacherActor(Actor):
     def __init__(self, config: RunConfig, model_path: str, cache_path: str, rank: int | None = None) -> None:
         self.rank = current_rank().rank if rank is None else rank  # a replacement keeps the rank it replaces
-        self.teachers = make_teachers(config)
+        self.teachers = make_teachers(config, str(proc_device(config.topology, "teacher", self.rank)))
         self.cache = TeacherCache(cache_path)
 
     @endpoint

@@ -12,6 +12,7 @@ from monarch.rdma import RDMABuffer
 
 from meshrl.configs.schema import RunConfig
 from meshrl.inference.weights import WeightLayout, flatten_weights
+from meshrl.topology.devices import proc_device
 from meshrl.topology.worker import process_info
 from meshrl.trainer.core import TrainerCore
 
@@ -26,13 +27,13 @@ class TrainerActor(Actor):
 
     @endpoint
     def setup(self) -> dict[str, Any]:
+        device = proc_device(self.config.topology, "trainer", self.rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world > 1 and not dist.is_initialized():
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        if torch.cuda.is_available():  # one GPU per local rank, unless Monarch already narrowed the view
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
-        self.core = TrainerCore(self.config, self.model_path, device)
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        self.core = TrainerCore(self.config, self.model_path, str(device))
         return {"role": "trainer", "rank": self.rank, **process_info()}
 
     @endpoint

@@ -72,7 +72,11 @@ class ModelConfig(Section):
         "tiny",
         description="HF model directory or hub id (from the local cache); 'tiny' builds and saves meshrl's tiny model.",
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype for training.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="Compute dtype: training activations, generator and export weights "
+        "(trainer master weights and AdamW state stay float32).",
+    )
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Shape of the tiny model (path='tiny').")
     logprob_chunk_size: int = Field(
         1024, ge=16, description="Tokens per LM-head chunk when computing logprobs (bounds the logits memory)."
@@ -394,6 +398,15 @@ class RunConfig(Section):
     task: TaskConfig = Field(default_factory=TaskConfig, description="Prompts and verifier.")
     ckpt: CkptConfig = Field(default_factory=CkptConfig, description="Checkpointing.")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Metric sinks and display.")
+
+    @model_validator(mode="after")
+    def _vllm_on_one_gpu(self) -> RunConfig:
+        """vLLM runs on a GPU, and in-place weight loading hands tensors to an in-process engine
+        core, which tensor parallelism (worker processes) would not receive."""
+        gpus = self.topology.generator.gpus_per_proc
+        if self.generator.backend == "vllm" and gpus != 1:
+            raise ValueError(f"generator.backend = 'vllm' needs topology.generator.gpus_per_proc = 1 (got {gpus})")
+        return self
 
     @model_validator(mode="before")
     @classmethod

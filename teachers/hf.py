@@ -36,9 +36,11 @@ class HFTeacher:
             return None
 
 
-def hf_generate_fn(path: str, max_new_tokens: int = 128) -> Callable[[list[Message]], Message | None]:
+def hf_generate_fn(
+    path: str, device: str = "cpu", max_new_tokens: int = 128
+) -> Callable[[list[Message]], Message | None]:
     """Greedy next assistant turn from a local HF model through its own chat template."""
-    engine = HFEngine.from_pretrained(path)
+    engine = HFEngine.from_pretrained(path, device=device)
     tokenizer = AutoTokenizer.from_pretrained(path)
 
     def generate(messages: list[Message]) -> Message | None:

@@ -58,7 +58,7 @@ def replay_state(
     return actions
 
 
-def make_teachers(config: RunConfig) -> list[Teacher]:
+def make_teachers(config: RunConfig, device: str = "cpu") -> list[Teacher]:
     """The run's `teachers.members`; paid endpoints share one meter at `teachers.usd_ceiling`."""
     meter = CostMeter(config.teachers.usd_ceiling)
     task = None
@@ -67,7 +67,7 @@ def make_teachers(config: RunConfig) -> list[Teacher]:
         if spec.backend == "openai":
             teachers.append(OpenAITeacher(spec, meter=meter))
         elif spec.backend == "hf":
-            teachers.append(HFTeacher(spec, hf_generate_fn(spec.path)))
+            teachers.append(HFTeacher(spec, hf_generate_fn(spec.path, device)))
         else:
             task = task or make_task(config.task)
             teachers.append(OracleTeacher(task, name=spec.name))

@@ -14,9 +14,11 @@ import sys
 import time
 
 import pytest
+import torch
 from test_train import ENV, MESHRL, REPO, SMALL, records
 
 from meshrl.configs import ConfigError, load_config
+from meshrl.topology.devices import proc_device, role_gpus
 from meshrl.topology.worker import check_address, tls_env
 
 
@@ -220,3 +222,24 @@ def test_tls_mesh_trains_and_refuses_a_controller_from_another_ca(tmp_path):
         assert worker.poll() is None  # the worker turned the stranger away and lives on
     finally:
         lose_host(worker)
+
+
+def test_roles_take_consecutive_gpu_ranges_on_each_host():
+    config = load_config(["--topology.generator.procs", "2", "--topology.generator.gpus_per_proc", "1",
+                          "--topology.trainer.procs", "2", "--topology.trainer.gpus_per_proc", "2",
+                          "--topology.generator.hosts", "2", "--topology.mode", "attach",
+                          "--topology.workers", '["tcp://a:1", "tcp://b:1"]'])  # fmt: skip
+    topology = config.topology
+    assert [role_gpus(topology, "generator", rank) for rank in range(4)] == [[0], [1], [0], [1]]  # hosts-major
+    assert [role_gpus(topology, "trainer", rank) for rank in range(2)] == [[2, 3], [4, 5]]
+    assert role_gpus(topology, "teacher", 0) == []
+    assert proc_device(topology, "teacher", 0) == torch.device("cpu")
+    if torch.cuda.device_count() < 6:
+        with pytest.raises(RuntimeError, match=r"topology.trainer.gpus_per_proc: trainer rank 1 needs GPUs \[4, 5\]"):
+            proc_device(topology, "trainer", 1)
+
+
+def test_vllm_generators_need_exactly_one_gpu_each():
+    with pytest.raises(ConfigError, match="gpus_per_proc = 1"):
+        load_config(["--generator.backend", "vllm"])
+    assert load_config(["--generator.backend", "vllm", "--topology.generator.gpus_per_proc", "1"])
