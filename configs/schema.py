@@ -58,6 +58,12 @@ class TinyModelConfig(Section):
         False, description="Share the input embedding with the LM head (Qwen2.5 <= 3B, Llama-3.2)."
     )
 
+    chat_template: Literal["chatml", "hermes"] = Field(
+        "chatml",
+        description="chatml: tool results in a `tool` turn; hermes (Qwen2.5/Qwen3): tools in the system turn, "
+        "results as <tool_response> blocks in a user turn.",
+    )
+
     @model_validator(mode="after")
     def _heads_divide_width(self) -> TinyModelConfig:
         if self.hidden_size % self.num_heads:

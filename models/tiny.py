@@ -38,7 +38,7 @@ FAMILIES = {
 SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 # ChatML with tool calls as <tool_call>{json}</tool_call> lines and tool results as a `tool` role.
-CHAT_TEMPLATE = (
+CHATML_TEMPLATE = (
     "{%- for message in messages -%}"
     "{{ '<|im_start|>' + message['role'] + '\\n' }}"
     "{%- if message['content'] %}{{ message['content'] }}{% endif -%}"
@@ -50,6 +50,47 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif -%}"
 )
+
+# Hermes, as Qwen2.5/Qwen3 checkpoints ship it: tool schemas (`tools=`) in the system turn,
+# each call a <tool_call> block of its own lines, and the results of consecutive tool messages
+# as <tool_response> blocks inside one user turn.
+HERMES_TEMPLATE = (
+    "{%- set rest = messages[1:] if messages and messages[0]['role'] == 'system' else messages -%}"
+    "{%- if tools -%}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{%- if rest is not sameas messages %}{{ messages[0]['content'] + '\\n\\n' }}{% endif -%}"
+    "{{ '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n<tools>' }}"
+    "{%- for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor -%}"
+    "{{ '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments '"
+    "'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, '"
+    "'\"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif rest is not sameas messages %}{{ '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- endif -%}"
+    "{%- for message in rest -%}"
+    "{%- if message['role'] == 'tool' -%}"
+    "{%- if loop.first or rest[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif -%}"
+    "{{ '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or rest[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\\n' }}{% endif -%}"
+    "{%- else -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] %}{{ message['content'] }}{% endif -%}"
+    "{%- for call in message.get('tool_calls') or [] -%}"
+    "{%- if message['content'] or not loop.first %}{{ '\\n' }}{% endif -%}"
+    "{{ '<tool_call>\\n' }}"
+    "{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}"
+    "{{ '\\n</tool_call>' }}"
+    "{%- endfor -%}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif -%}"
+)
+CHAT_TEMPLATES = {"chatml": CHATML_TEMPLATE, "hermes": HERMES_TEMPLATE}
+# Whole tokens of each template's tool scaffolding (kept by decode(skip_special_tokens=True)).
+TOOL_TOKENS = {
+    "chatml": ["<tool_call>", "</tool_call>"],
+    "hermes": ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"],
+}
 
 _WORDS = (
     "the a an to of and in is it that for on with as this be are was you not or by from at have but can all "
@@ -81,7 +122,7 @@ def _corpus(lines: int = 4000) -> list[str]:
     return out
 
 
-def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+def build_tokenizer(vocab_size: int, chat_template: str = "chatml") -> PreTrainedTokenizerFast:
     """Train the byte-level BPE and wrap it as an HF fast tokenizer with the chat template."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -93,14 +134,14 @@ def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(), trainer=trainer)
-    tok.add_tokens(["<tool_call>", "</tool_call>"])  # whole tokens, but kept by decode(skip_special_tokens=True)
+    tok.add_tokens(TOOL_TOKENS[chat_template])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token="<|pad|>",
         eos_token="<|im_end|>",
         bos_token=None,
         unk_token=None,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=CHAT_TEMPLATES[chat_template],
     )
 
 
@@ -140,7 +181,7 @@ def ensure_tiny(directory: str | Path, spec: TinyModelConfig | None = None, seed
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     try:
-        tokenizer = build_tokenizer(spec.vocab_size)
+        tokenizer = build_tokenizer(spec.vocab_size, spec.chat_template)
         tokenizer.save_pretrained(tmp)
         build_model(spec, tokenizer, seed).save_pretrained(tmp, safe_serialization=True)
         if directory.exists():

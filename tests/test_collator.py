@@ -66,6 +66,18 @@ def test_loss_mask_covers_exactly_the_assistant_turns(tok):
     assert "inference_logprobs" not in batch  # the trace carries none
 
 
+def test_hermes_template_masks_the_assistant_turns_and_not_the_tool_responses():
+    hermes = build_tokenizer(512, "hermes")
+    trace = _trace(n_errors=2)
+    batch = TraceCollator(hermes)([trace]).batch
+    ids, mask = batch["input_ids"][0], batch["loss_mask"][0]
+    assert torch.equal(ids, torch.tensor(hermes.apply_chat_template([to_message(t) for t in trace.turns])["input_ids"]))
+    hermes_texts = [text.replace("\n<tool_call>", "\n<tool_call>\n").replace("</tool_call>", "\n</tool_call>")
+                    for text in _assistant_texts(trace)]  # fmt: skip
+    assert hermes.decode(ids[mask], skip_special_tokens=True) == "".join(hermes_texts)
+    assert "<tool_response>" in hermes.decode(ids[~mask]) and "<tool_response>" not in hermes.decode(ids[mask])
+
+
 def test_masks_do_not_depend_on_segment_tokenization(tok):
     """A span that starts mid-word in segment tokenization still lines up with the template's tokens."""
     trace = TraceExample(trace_id="x", source="t", turns=[

@@ -24,6 +24,11 @@ def tokenizer():
     return build_tokenizer(512)
 
 
+@pytest.fixture(scope="module")
+def hermes():
+    return build_tokenizer(512, "hermes")
+
+
 def _prompt(seed: int = 0, **kwargs: Any) -> tuple[ToolTask, Prompt]:
     task = ToolTask(**kwargs)
     return task, task.sample_prompts(random.Random(seed), 1)[0]
@@ -237,8 +242,9 @@ def _rendered_completion(tokenizer, content: str, calls: list[tuple[str, dict[st
 
 @settings(max_examples=200, deadline=None)
 @given(content=_TEXT, calls=_CALLS)
-def test_parse_inverts_the_tiny_template(tokenizer, content, calls):
-    message, completion = _rendered_completion(tokenizer, content, calls)
+@pytest.mark.parametrize("template", ["chatml", "hermes"])
+def test_parse_inverts_the_tiny_templates(tokenizer, hermes, template, content, calls):
+    message, completion = _rendered_completion(hermes if template == "hermes" else tokenizer, content, calls)
     if any("</tool_call>" in json.dumps(a, ensure_ascii=False) or "</tool_call>" in n for n, a in calls):
         return  # a closing tag inside the JSON is ambiguous in the template's own format
     parsed_content, parsed_calls = parse_tool_calls(completion)
@@ -287,3 +293,25 @@ def test_unclosed_call_is_still_a_call():
     assert content == "" and calls[0]["function"] == {"name": LOOKUP, "arguments": {"key": "kb"}}
     content, calls = parse_tool_calls('\n<tool_call>{"name": "lookup", "argum')
     assert content == "" and calls[0]["function"]["name"] == MALFORMED
+
+
+def test_hermes_renders_tools_in_the_system_turn_and_results_in_one_user_turn(hermes):
+    task, prompt = _prompt()
+    calls = [{"id": f"call_{i}", "type": "function", "function": {"name": LOOKUP, "arguments": {"key": k}}}
+             for i, k in enumerate(["a", "b"])]  # fmt: skip
+    messages = [*prompt.messages, {"role": "assistant", "content": "", "tool_calls": calls},
+                {"role": "tool", "content": "v1", "tool_call_id": "call_0"},
+                {"role": "tool", "content": "v2", "tool_call_id": "call_1"}]  # fmt: skip
+    schema = {"type": "function", "function": {"name": LOOKUP, "parameters": {"type": "object"}}}
+    text = hermes.apply_chat_template(messages, tools=[schema], tokenize=False, add_generation_prompt=True)
+    system = f"<|im_start|>system\n{prompt.messages[0]['content']}\n\n# Tools\n"
+    assert text.startswith(system) and json.dumps(schema) in text.split("<|im_end|>")[0]
+    assert text.endswith(
+        '<|im_start|>assistant\n<tool_call>\n{"name": "lookup", "arguments": {"key": "a"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "lookup", "arguments": {"key": "b"}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\n<tool_response>\nv1\n</tool_response>\n<tool_response>\nv2\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert len(hermes("<tool_response>", add_special_tokens=False)["input_ids"]) == 1
+    no_tools = hermes.apply_chat_template(prompt.messages, tokenize=False)
+    assert no_tools.startswith(f"<|im_start|>system\n{prompt.messages[0]['content']}<|im_end|>\n")
