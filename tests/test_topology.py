@@ -83,13 +83,14 @@ def test_slurm_request_from_the_config(tmp_path):
     subprocess.run(
         [sys.executable, "-c", SUBMIT,"--topology.mode", "slurm", "--topology.trainer.hosts", "2", "--topology.trainer.procs", "4",
          "--topology.trainer.gpus-per-proc", "2", "--topology.generator.hosts", "3",
+         "--topology.generator.gpus-per-proc", "1",
          "--topology.slurm.partition", "gpu", "--topology.slurm.time-limit", "04:00:00",
          "--topology.slurm.account", "rl", "--topology.slurm.python-exe", "/opt/venv/bin/python",
          "--topology.slurm.log-dir", str(tmp_path / "logs"), "--topology.slurm.sbatch-args", '["--mem=64G"]'],
         env=env, check=True, capture_output=True, cwd=tmp_path,
     )  # fmt: skip
     request = (tmp_path / "request.sh").read_text()
-    for line in ("#SBATCH --nodes=3", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu",
+    for line in ("#SBATCH --nodes=3", "#SBATCH --gpus-per-node=9",  # 4 x 2 trainer + 1 generator GPU "#SBATCH --partition=gpu",
                  "#SBATCH --time=04:00:00", "#SBATCH --account=rl", "#SBATCH --mem=64G"):  # fmt: skip
         assert line in request.splitlines(), line
     assert "srun /opt/venv/bin/python" in request

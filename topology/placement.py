@@ -20,10 +20,11 @@ from meshrl.topology.worker import tls_env
 
 
 def slurm_job(topology: TopologyConfig) -> SlurmJob:
-    """The SLURM job that starts one Monarch worker per node, for the largest role."""
+    """The SLURM job that starts one Monarch worker per node, for the largest role, with the GPUs
+    of every role on each node."""
     s = topology.slurm
     roles = [getattr(topology, role) for role in ROLES]
-    gpus = max(r.procs * r.gpus_per_proc for r in roles)
+    gpus = sum(r.procs * r.gpus_per_proc for r in roles)  # roles take consecutive GPU ranges (topology.devices)
     return SlurmJob(
         meshes={"meshrl": max(r.hosts for r in roles)},
         python_exe=s.python_exe,
