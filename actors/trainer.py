@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -67,6 +68,15 @@ class TrainerActor(Actor):
         self._flat, layout = flatten_weights(weights, self.core.compute_dtype)
         self._buffer = RDMABuffer(self._flat)
         return self._buffer, layout
+
+    @endpoint
+    def read_text(self, path: str) -> str | None:
+        """A file's text as this process sees it (None when absent): the controller checks that
+        the run directory is the same one here."""
+        try:
+            return Path(path).read_text()
+        except FileNotFoundError:
+            return None
 
     @endpoint
     def save_checkpoint(self, directory: str) -> None:

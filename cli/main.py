@@ -21,7 +21,7 @@ CONFIG_FORMS = """config sources, applied left to right:
 
 EXIT_STOPPED = 3  # a trainer process or a worker host was lost; the message says how to resume
 EXIT_CONFIG = 2
-EXIT_TRACES = 1
+EXIT_BAD_INPUT = 1  # a trace file or run directory that cannot be used
 
 
 def _sources_parser(sub: argparse._SubParsersAction, name: str, help_text: str) -> argparse.ArgumentParser:
@@ -141,7 +141,7 @@ def _cmd_traces_ingest(args: argparse.Namespace) -> int:
         _write_atomically(out, (example.to_json() for example in result.examples))
     except (TraceFormatError, OSError) as exc:
         print(f"meshrl: {exc}", file=sys.stderr)
-        return EXIT_TRACES
+        return EXIT_BAD_INPUT
     turns = [turn for example in result.examples for turn in example.turns]
     print(
         f"files: {len(result.files)}, examples: {len(result.examples)}, turns: {len(turns)}, "
@@ -152,6 +152,18 @@ def _cmd_traces_ingest(args: argparse.Namespace) -> int:
         if skipped:
             print(f"  skipped lines in {path}: {skipped}")
     print(f"written to {out}")
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from meshrl.run.export import export_run
+
+    try:
+        out = export_run(Path(args.run_dir), Path(args.out), args.step)
+    except (ValueError, OSError) as exc:
+        print(f"meshrl export: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(f"exported to {out}")
     return 0
 
 
@@ -182,6 +194,13 @@ def build_parser() -> argparse.ArgumentParser:
     plot.set_defaults(func=_cmd_plot)
 
     worker_help = "run a Monarch worker on this host for a controller to attach to (topology.workers)"
+    export_help = "write a run's model as an HF model directory (model.dtype, tokenizer, chat template)"
+    export = sub.add_parser("export", help=export_help, description=export_help)
+    export.add_argument("run_dir", metavar="RUN_DIR", help="the run's output_dir")
+    export.add_argument("out", metavar="OUT", help="the model directory to write (replaced if present)")
+    export.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest complete one)")
+    export.set_defaults(func=_cmd_export)
+
     worker = sub.add_parser("worker", help=worker_help, description=worker_help)
     worker.add_argument("--address", required=True, help="tcp://HOST:PORT or tls://HOST:PORT to listen on")
     worker.add_argument("--tls-cert", help="PEM certificate of this worker (tls://)")

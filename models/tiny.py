@@ -183,7 +183,7 @@ def ensure_tiny(directory: str | Path, spec: TinyModelConfig | None = None, seed
     try:
         tokenizer = build_tokenizer(spec.vocab_size, spec.chat_template)
         tokenizer.save_pretrained(tmp)
-        build_model(spec, tokenizer, seed).save_pretrained(tmp, safe_serialization=True)
+        build_model(spec, tokenizer, seed).save_pretrained(tmp)
         if directory.exists():
             shutil.rmtree(directory)
         os.replace(tmp, directory)

@@ -34,6 +34,7 @@ from meshrl.models.tiny import ensure_tiny
 from meshrl.rollouts.advantages import group_advantages
 from meshrl.rollouts.batches import aux_shards, rl_shards, rollout_trace
 from meshrl.rollouts.episodes import Rollout
+from meshrl.run.export import export_model
 from meshrl.run.plots import plot
 from meshrl.run.progress import Progress
 from meshrl.run.run_dir import RunDir, write_atomic
@@ -109,6 +110,7 @@ class Controller:
         setup_torch_elastic_env(self.trainer_procs)
         self.trainers = self.trainer_procs.spawn("trainer", TrainerActor, self.config, self.model_path).flatten("rank")
         self.actors = list(self.trainers.setup.call().get().values()) + self.generators.infos()
+        self.run.check_shared(lambda path: self.trainers.read_text.call(path).get().item(rank=0))
         self.teachers = None
         if self.config.teachers.members:
             cache = str(self.run.root / "teacher_cache.jsonl")
@@ -440,4 +442,5 @@ def train(config: RunConfig) -> Path:
     finally:
         controller.shutdown()
     plot(run.root)
+    export_model(run.latest_checkpoint() / "model", run.root / "final", config.model.dtype)
     return run.root

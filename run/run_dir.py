@@ -2,16 +2,24 @@
 
 DIR/config.toml        resolved config
 DIR/metrics.jsonl      one JSON object per step (a resumed run rewrites it up to its step)
-DIR/checkpoints/step_N/  complete when it holds COMPLETE (written last, then the folder is renamed in)
+DIR/checkpoints/step_N/  complete when it holds COMPLETE (every file and folder fsynced first,
+                       the marker last, then the folder renamed in); model/ is an HF model
+                       directory (float32 master weights, tokenizer, chat template, generation config)
+DIR/final/             the finished run's model, exported in model.dtype (`meshrl export`)
 DIR/topology.json      every actor's role, rank, host, pid
 DIR/plots/*.png        reward, losses, throughput
+
+The trainer's rank 0 writes the checkpoint's files and the controller its marker, so on several
+hosts DIR must be one shared filesystem; `check_shared` refuses a DIR the trainer cannot see.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +33,23 @@ def write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def fsync_tree(root: Path) -> None:
+    """Flush every file under `root`, then every folder (its entries), deepest first."""
+    for folder, _, files in os.walk(root, topdown=False):
+        for name in files:
+            with open(os.path.join(folder, name), "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(Path(folder))
+
+
+def fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class RunDir:
@@ -67,12 +92,16 @@ class RunDir:
         return path
 
     def commit_checkpoint(self, staging: Path, step: int, state: dict[str, Any], keep_last: int) -> Path:
-        """Controller state and the COMPLETE marker go in last; then one rename publishes the step."""
+        """Controller state, an fsync of everything the trainer wrote, and the COMPLETE marker last;
+        then one rename publishes the step (and an fsync of the parent makes the rename durable)."""
         write_atomic(staging / "controller.json", json.dumps(state))
+        fsync_tree(staging)
         write_atomic(staging / COMPLETE, str(step))
+        fsync_dir(staging)
         final = self.checkpoints / f"step_{step}"
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)
+        fsync_dir(self.checkpoints)
         for old in self.complete_checkpoints()[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
         return final
@@ -86,6 +115,22 @@ class RunDir:
     def latest_checkpoint(self) -> Path | None:
         done = self.complete_checkpoints()
         return done[-1] if done else None
+
+    def check_shared(self, read_on_trainer: Callable[[str], str | None]) -> None:
+        """Refuse a run directory the trainer's rank 0 cannot see: it writes checkpoints there, the
+        controller commits them. `read_on_trainer(path)` is the file's text as that process reads it."""
+        probe = self.root / f".shared-probe-{secrets.token_hex(4)}"
+        token = secrets.token_hex(16)
+        write_atomic(probe, token)
+        try:
+            seen = read_on_trainer(str(probe))
+        finally:
+            probe.unlink(missing_ok=True)
+        if seen != token:
+            raise RuntimeError(
+                f"output_dir {self.root.resolve()} is not the same directory on the trainer's rank-0 host: "
+                "checkpoints need a filesystem shared by the controller and the trainer hosts (see README)"
+            )
 
     # ------------------------------------------------------------------ topology
 

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from meshrl.configs.schema import RunConfig
 from meshrl.loss_adapters.compose import REPLAY_KEYS, compose_loss, reference_sums, rl_loss_fn
@@ -117,7 +117,7 @@ class TrainerCore:
     """One rank's model, frozen DPO reference, AdamW, LR schedule and NaN/Inf-guarded step."""
 
     def __init__(self, config: RunConfig, model_path: str, device: str = "cpu") -> None:
-        self.config = config
+        self.config, self.model_path = config, model_path
         self.device = torch.device(device)
         torch.manual_seed(config.seed)
         self.compute_dtype = DTYPES[config.model.dtype]
@@ -329,6 +329,7 @@ class TrainerCore:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(directory / "model", state_dict=weights)
+        AutoTokenizer.from_pretrained(self.model_path).save_pretrained(directory / "model")  # loads as a model dir
         torch.save(
             {
                 "optimizer": optimizer,

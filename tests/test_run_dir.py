@@ -1,0 +1,43 @@
+"""The run directory: checkpoints durable before they count as complete, and a run directory
+the trainer cannot see refused."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from meshrl.run.run_dir import COMPLETE, RunDir
+
+
+def test_everything_is_fsynced_before_the_complete_marker(tmp_path, monkeypatch):
+    run = RunDir(tmp_path / "run")
+    staging = run.staging(4)
+    (staging / "model").mkdir()
+    for name in ("model/model.safetensors", "model/tokenizer.json", "trainer.pt"):
+        (staging / name).write_bytes(b"x")
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    final = run.commit_checkpoint(staging, 4, {"step": 4}, keep_last=2)
+    marker = next(i for i, path in enumerate(synced) if Path(path).name.startswith(f".{COMPLETE}"))
+    before = set(synced[:marker])
+    for path in [staging / "model" / "model.safetensors", staging / "model" / "tokenizer.json",
+                 staging / "trainer.pt", staging / "controller.json", staging / "model", staging]:  # fmt: skip
+        assert str(path) in before, path
+    assert synced[-1] == str(run.checkpoints)  # the rename that publishes the step, made durable
+    assert run.latest_checkpoint() == final
+
+
+def test_a_run_directory_the_trainer_cannot_see_is_refused(tmp_path):
+    run = RunDir(tmp_path / "run")
+    run.check_shared(lambda path: Path(path).read_text())  # the same filesystem
+    with pytest.raises(RuntimeError, match=f"output_dir {run.root} is not the same directory"):
+        run.check_shared(lambda path: None)  # another host's disk: the probe is not there
+    assert not list(run.root.glob(".shared-probe-*"))
