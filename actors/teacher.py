@@ -10,6 +10,7 @@ from monarch.actor import Actor, current_rank, endpoint
 from meshrl.configs.schema import RunConfig
 from meshrl.teachers.base import Message
 from meshrl.teachers.cache import TeacherCache
+from meshrl.teachers.cost import CostMeter
 from meshrl.teachers.replay import make_teachers, replay_state, teacher_totals
 from meshrl.topology.devices import proc_device
 from meshrl.topology.worker import process_info
@@ -27,12 +28,18 @@ class TeacherAnswers:
 class TeacherActor(Actor):
     def __init__(self, config: RunConfig, model_path: str, cache_path: str, rank: int | None = None) -> None:
         self.rank = current_rank().rank if rank is None else rank  # a replacement keeps the rank it replaces
-        self.teachers = make_teachers(config, str(proc_device(config.topology, "teacher", self.rank)))
+        self.meter = CostMeter(config.teachers.usd_ceiling)
+        self.teachers = make_teachers(config, self.meter, str(proc_device(config.topology, "teacher", self.rank)))
         self.cache = TeacherCache(cache_path)
 
     @endpoint
     def info(self) -> dict[str, Any]:
         return {"role": "teacher", "rank": self.rank, **process_info(), "teachers": [t.name for t in self.teachers]}
+
+    @endpoint
+    def carry_spend(self, usd: float) -> None:
+        """The USD the run's paid teachers spent before this actor: the ceiling counts it."""
+        self.meter.charge(usd)
 
     @endpoint
     def replay(self, states: list[list[Message]], contexts: list[dict[str, Any]]) -> TeacherAnswers:

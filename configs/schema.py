@@ -395,6 +395,11 @@ class RunConfig(Section):
     output_dir: str = Field("runs/local", min_length=1, description="Where config, metrics, checkpoints and plots go.")
     seed: int = Field(0, ge=0, description="Seed of every random stream in the run.")
     resume: bool = Field(False, description="Continue from the newest complete checkpoint in output_dir.")
+    overwrite: bool = Field(
+        False,
+        description="Start over in an output_dir that holds a run: its checkpoints, metrics, plots, final "
+        "and tiny models are removed first (the teacher answer cache is kept).",
+    )
     model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model.")
     topology: TopologyConfig = Field(default_factory=TopologyConfig, description="Mesh placement.")
     generator: GeneratorConfig = Field(default_factory=GeneratorConfig, description="Rollout generation.")
@@ -404,6 +409,12 @@ class RunConfig(Section):
     task: TaskConfig = Field(default_factory=TaskConfig, description="Prompts and verifier.")
     ckpt: CkptConfig = Field(default_factory=CkptConfig, description="Checkpointing.")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Metric sinks and display.")
+
+    @model_validator(mode="after")
+    def _resume_or_overwrite(self) -> RunConfig:
+        if self.resume and self.overwrite:
+            raise ValueError("resume and overwrite are both set: continue the run in output_dir, or start over there")
+        return self
 
     @model_validator(mode="after")
     def _vllm_on_one_gpu(self) -> RunConfig:

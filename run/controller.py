@@ -28,7 +28,7 @@ from transformers import AutoTokenizer
 from meshrl.actors.generator import GeneratorActor, RolloutBatch
 from meshrl.actors.teacher import TeacherActor, TeacherAnswers
 from meshrl.actors.trainer import TrainerActor
-from meshrl.configs.loader import to_toml
+from meshrl.configs.loader import ConfigError, to_toml
 from meshrl.configs.schema import RunConfig
 from meshrl.models.tiny import ensure_tiny
 from meshrl.rollouts.advantages import group_advantages
@@ -60,6 +60,16 @@ class RolloutRequest:
 
 
 @dataclass
+class StepRequest:
+    """One step's requests to the generators, and the prompt streams as they were before its
+    prompts were drawn: a checkpoint taken while it is in flight saves those, so a resumed run
+    draws the same prompts again instead of skipping them."""
+
+    requests: list[RolloutRequest]
+    streams_before: dict[str, Any]
+
+
+@dataclass
 class TeacherRound:
     """States sent to a teacher actor, awaiting its answers (mined into pairs a step later)."""
 
@@ -84,8 +94,10 @@ class Controller:
         self.task = make_task(config.task)
         hint = getattr(self.task, "hint", None)
         self.collator = TraceCollator(self.tokenizer, hint_generator=hint if config.loss.sdpo.weight > 0 else None)
-        self.data_rng = random.Random(config.seed)
-        self.seed_rng = random.Random(config.seed + 1)
+        self.data_rng = random.Random(config.seed)  # prompts
+        self.seed_rng = random.Random(config.seed + 1)  # generator sampling seeds
+        self.teacher_rng = random.Random(config.seed + 3)  # offline states for the teachers
+        self.pending: deque[StepRequest] = deque()
         self.step = 0
         self.pairs: list[DpoPair] = []
         self.dropped_stale = 0
@@ -182,8 +194,12 @@ class Controller:
                         raise ValueError(f"task.traces: {path}:{n}: not a trace example: {exc}") from None
         return states
 
-    def _request(self) -> list[RolloutRequest]:
+    def _streams(self) -> dict[str, Any]:
+        return {"data_rng": _rng_state(self.data_rng), "seed_rng": _rng_state(self.seed_rng)}
+
+    def _request(self) -> StepRequest:
         """Ask every generator for its share of a step's prompts."""
+        before = self._streams()
         prompts = self.task.sample_prompts(self.data_rng, self.config.task.prompts_per_step)
         n, samples = len(self.generators), self.config.generator.samples_per_prompt
         requests = []
@@ -192,7 +208,7 @@ class Controller:
                 actor = self.generators[i]
                 future = actor.rollout.call_one(prompts[i::n], self.seed_rng.randrange(2**31))
                 requests.append(RolloutRequest(i, actor, len(prompts[i::n]) * samples, future))
-        return requests
+        return StepRequest(requests, before)
 
     def _collect(self, requests: list[RolloutRequest]) -> RolloutBatch:
         """The rollouts of the generators that answered and their slowest time; rollouts of a
@@ -261,6 +277,7 @@ class Controller:
                 self.teacher_latest = {}
                 if self.teachers[0] is pending.actor:
                     self._replace(self.teachers, 0)
+                    self._carry_teacher_spend()
             self.pending_teacher = None
             for state, actions in zip(pending.states, answers):
                 pair = mine_pairs(state, actions, self.config.teachers.min_agree)
@@ -274,7 +291,7 @@ class Controller:
                 for state in trace_states(rollout_trace(r, classifier)):
                     states.append(state)
                     contexts.append({"prompt": r.prompt})
-        for state in self.data_rng.sample(self.offline_states, min(len(self.offline_states), budget // 2)):
+        for state in self.teacher_rng.sample(self.offline_states, min(len(self.offline_states), budget // 2)):
             states.append(state)
             contexts.append({})
         states, contexts = states[:budget], contexts[:budget]
@@ -284,11 +301,18 @@ class Controller:
         )
         return self._teacher_stats()
 
-    def _teacher_stats(self) -> dict[str, float]:
-        """Teacher counters over the run (those of replaced teacher actors included)."""
+    def _carry_teacher_spend(self) -> None:
+        """A new teacher actor (respawn, resume) starts its ceiling from what the run has spent."""
+        self.teachers[0].carry_spend.call_one(self.teacher_totals.get("usd_spent", 0.0)).get()
+
+    def _teacher_totals(self) -> dict[str, float]:
+        """Teacher counters over the run: the live actor's plus those of actors before it
+        (replaced ones, and the run before a resume)."""
         names = set(self.teacher_totals) | set(self.teacher_latest)
-        stats = {k: self.teacher_totals.get(k, 0.0) + self.teacher_latest.get(k, 0.0) for k in names}
-        return {f"teacher/{k}": float(v) for k, v in {**stats, **self.teacher_counts}.items()}
+        return {k: self.teacher_totals.get(k, 0.0) + self.teacher_latest.get(k, 0.0) for k in names}
+
+    def _teacher_stats(self) -> dict[str, float]:
+        return {f"teacher/{k}": float(v) for k, v in {**self._teacher_totals(), **self.teacher_counts}.items()}
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -297,8 +321,10 @@ class Controller:
         self.trainers.save_checkpoint.call(str(staging)).get()
         state = {
             "step": self.step,
-            "data_rng": _rng_state(self.data_rng),
-            "seed_rng": _rng_state(self.seed_rng),
+            **(self.pending[0].streams_before if self.pending else self._streams()),
+            "teacher_rng": _rng_state(self.teacher_rng),
+            "teacher_totals": self._teacher_totals(),
+            "teacher_counts": self.teacher_counts,
             "pairs": [p.model_dump() for p in self.pairs],
             "dropped_stale": self.dropped_stale,
             "lost_rollouts": self.lost_rollouts,
@@ -315,6 +341,10 @@ class Controller:
         self.step = state["step"]
         self.data_rng.setstate(_rng_from(state["data_rng"]))
         self.seed_rng.setstate(_rng_from(state["seed_rng"]))
+        self.teacher_rng.setstate(_rng_from(state["teacher_rng"]))
+        self.teacher_totals, self.teacher_counts = state["teacher_totals"], state["teacher_counts"]
+        if self.teachers is not None:
+            self._carry_teacher_spend()
         self.pairs = [DpoPair.model_validate(p) for p in state["pairs"]]
         self.dropped_stale = state["dropped_stale"]
         self.lost_rollouts = state["lost_rollouts"]
@@ -343,14 +373,14 @@ class Controller:
         cfg = self.config
         world = cfg.topology.trainer.size
         level = cfg.generator.max_async_level
-        pending: deque = deque()
+        pending = self.pending
         for _ in range(self.step, min(self.step + max(level, 1), cfg.max_steps)):
             pending.append(self._request())
         while self.step < cfg.max_steps:
             step_start = time.perf_counter()
             if not pending:
                 pending.append(self._request())
-            collected = self._collect(pending.popleft())
+            collected = self._collect(pending.popleft().requests)
             rollouts, gen_seconds = collected.rollouts, collected.seconds
             fresh = [r for r in rollouts if self.step - r.version <= cfg.generator.max_off_policy_steps]
             self.dropped_stale += len(rollouts) - len(fresh)
@@ -407,8 +437,8 @@ class Controller:
                 raise lost
             if self.step % cfg.ckpt.interval == 0 or self.step == cfg.max_steps:
                 self.save()
-        for requests in pending:  # rollouts requested past the last step
-            self._collect(requests)
+        while pending:  # rollouts requested past the last step
+            self._collect(pending.popleft().requests)
 
 
 def _rng_state(rng: random.Random) -> list[Any]:
@@ -423,6 +453,13 @@ def _rng_from(state: list[Any]) -> tuple[Any, ...]:
 def train(config: RunConfig) -> Path:
     """Run (or resume) training; returns the run directory."""
     run = RunDir(config.output_dir)
+    if config.overwrite:
+        run.clear()
+    elif not config.resume and run.earlier_run():
+        raise ConfigError(
+            f"output_dir {run.root} holds an earlier run ({'; '.join(run.earlier_run())}): pass --resume to "
+            "continue it, --overwrite to start over there, or choose another --output-dir"
+        )
     write_atomic(run.root / "config.toml", to_toml(config))
     controller = Controller(config)
     controller.spawn()

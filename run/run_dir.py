@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 COMPLETE = "COMPLETE"
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "plots", "final", "tiny_model", "topology.json")  # `overwrite` clears
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -58,6 +59,27 @@ class RunDir:
         self.checkpoints = self.root / "checkpoints"
         self.metrics_path = self.root / "metrics.jsonl"
         self.root.mkdir(parents=True, exist_ok=True)
+
+    # ------------------------------------------------------------------ a run already here
+
+    def earlier_run(self) -> list[str]:
+        """What a previous run left here that a fresh run would mix with: checkpoints a later
+        --resume would pick up, metrics the new ones would follow."""
+        found = []
+        if self.checkpoints.exists():
+            found.append(f"checkpoints: {', '.join(sorted(p.name for p in self.checkpoints.iterdir())) or 'none'}")
+        if self.metrics_path.exists():
+            found.append(f"metrics.jsonl: {len(self.read_metrics())} steps")
+        return found
+
+    def clear(self) -> None:
+        """Remove an earlier run's outputs (`overwrite`); the teacher answer cache stays valid and is kept."""
+        for name in RUN_OUTPUTS:
+            path = self.root / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ metrics
 

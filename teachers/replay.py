@@ -58,9 +58,8 @@ def replay_state(
     return actions
 
 
-def make_teachers(config: RunConfig, device: str = "cpu") -> list[Teacher]:
-    """The run's `teachers.members`; paid endpoints share one meter at `teachers.usd_ceiling`."""
-    meter = CostMeter(config.teachers.usd_ceiling)
+def make_teachers(config: RunConfig, meter: CostMeter, device: str = "cpu") -> list[Teacher]:
+    """The run's `teachers.members`; paid endpoints share `meter` (at `teachers.usd_ceiling`)."""
     task = None
     teachers: list[Teacher] = []
     for spec in config.teachers.members:

@@ -680,3 +680,7 @@ def test_no_flag_negates_a_boolean():
 def test_settings_that_could_never_train_are_refused(args, key, words):
     message = _error(args)
     assert key in message and words in message, message
+
+
+def test_resume_and_overwrite_together_are_refused():
+    assert "resume and overwrite are both set" in _error(["--resume", "--overwrite"])

@@ -41,3 +41,14 @@ def test_a_run_directory_the_trainer_cannot_see_is_refused(tmp_path):
     with pytest.raises(RuntimeError, match=f"output_dir {run.root} is not the same directory"):
         run.check_shared(lambda path: None)  # another host's disk: the probe is not there
     assert not list(run.root.glob(".shared-probe-*"))
+
+
+def test_overwrite_clears_an_earlier_run_but_keeps_the_teacher_cache(tmp_path):
+    run = RunDir(tmp_path / "run")
+    assert run.earlier_run() == []
+    run.commit_checkpoint(run.staging(2), 2, {"step": 2}, keep_last=2)
+    run.append_metrics({"step": 0})
+    (run.root / "teacher_cache.jsonl").write_text("{}\n")
+    assert run.earlier_run() == ["checkpoints: step_2", "metrics.jsonl: 1 steps"]
+    run.clear()
+    assert run.earlier_run() == [] and (run.root / "teacher_cache.jsonl").exists()

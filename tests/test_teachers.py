@@ -14,7 +14,10 @@ from typing import Any
 
 import httpx
 import pytest
+from monarch.actor import this_host
 
+from meshrl.actors.teacher import TeacherActor
+from meshrl.configs import load_config
 from meshrl.configs.schema import HfTeacher as HfTeacherConfig
 from meshrl.configs.schema import OpenAITeacher as OpenAITeacherConfig
 from meshrl.tasks.base import Prompt, ToolResult
@@ -281,6 +284,24 @@ def test_the_ceiling_is_shared_and_stops_paid_teachers_without_a_request(endpoin
     assert (first.stats.failures, second.stats.failures) == (0, 0)
     assert free.act(STATE, None) == LS_ACTION  # an unpriced endpoint is never stopped
     assert meter.spent_usd == pytest.approx(0.012)
+
+
+def test_a_new_teacher_actor_counts_the_runs_earlier_spend_against_the_ceiling(endpoint, tmp_path):
+    """A resumed run or a respawned teacher actor starts from what the run spent, not from 0."""
+    member = {"backend": "openai", "name": "gpt", "base_url": endpoint.base_url, "model": "m",
+              "api_key_env": KEY_ENV, "usd_per_mtok_in": 2.0, "usd_per_mtok_out": 8.0}  # fmt: skip
+    config = load_config(["--teachers.members", json.dumps([member]), "--teachers.min_agree", "1",
+                          "--teachers.usd_ceiling", "0.01"])  # fmt: skip
+    procs = this_host().spawn_procs(per_host={"procs": 1})
+    try:
+        actor = procs.spawn("teacher", TeacherActor, config, "unused", str(tmp_path / "cache.jsonl"))
+        actor.carry_spend.call_one(0.012).get()  # spent before this actor started
+        answers = actor.replay.call_one([STATE], [{}]).get()
+    finally:
+        procs.stop().get()
+    assert answers.actions == [{"gpt": None}]
+    assert answers.totals["skipped_budget"] == 1
+    assert endpoint.requests == []  # the ceiling held: nothing was paid for
 
 
 # --- cache --------------------------------------------------------------------------------

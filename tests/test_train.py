@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -17,6 +18,9 @@ from pathlib import Path
 import pytest
 
 from meshrl.configs import load_config
+
+sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
+from echo_task import EchoTask
 
 REPO = Path(__file__).resolve().parents[1]
 MESHRL = [sys.executable, "-m", "meshrl.cli.main"]
@@ -69,6 +73,20 @@ def test_short_run_through_real_meshes(tmp_path):
     assert (out / "checkpoints" / "step_2" / "model" / "model.safetensors").exists()
     assert {p.name for p in (out / "plots").iterdir()} == {"reward.png", "losses.png", "throughput.png"}
     assert load_config(["@", str(out / "config.toml")]).max_steps == 3
+
+    # max_async_level 1: step 2's prompts were drawn, not trained, when step 2 was saved; the
+    # checkpoint keeps the prompt stream from before that draw, so a resume draws them again.
+    stream = random.Random(0)
+    for _ in range(2):
+        EchoTask().sample_prompts(stream, 2)
+    saved = json.loads((out / "checkpoints" / "step_2" / "controller.json").read_text())["data_rng"]
+    assert saved == json.loads(json.dumps(stream.getstate()))
+
+    again = train(out, "--max-steps", "3")  # a fresh run into this directory would mix with the old one
+    assert again.returncode == 2
+    assert (
+        f"output_dir {out} holds an earlier run (checkpoints: step_2, step_3; metrics.jsonl: 3 steps)" in again.stderr
+    )
 
 
 def test_sigkill_after_a_checkpoint_then_resume(tmp_path):
