@@ -1,64 +1,76 @@
-"""The generator actor: one inference engine per proc, running episodes of the run's task."""
+"""The generator actor: one inference engine per proc, streaming episodes of the run's task.
+
+The controller submits groups and long-polls `take` for finished ones; weights arrive
+whenever the trainer publishes them and are swapped in between two decode steps. `take`
+and the weight endpoints are concurrent endpoints, so neither waits behind the other.
+"""
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
+import asyncio
 from typing import Any
 
 import torch
-from monarch.actor import Actor, current_rank, endpoint
+from monarch.actor import Actor, concurrent_endpoint, current_rank, endpoint
 from transformers import AutoTokenizer
 
 from meshrl.configs.schema import RunConfig
 from meshrl.inference.backends import make_engine
 from meshrl.inference.weights import WeightLayout, unflatten_weights
-from meshrl.rollouts.episodes import EpisodeRunner, Rollout
-from meshrl.tasks.base import Prompt, make_task
+from meshrl.rollouts.episodes import EpisodeFormat
+from meshrl.rollouts.scheduler import EpisodeScheduler, FinishedGroup, GroupRequest, Sampling, SchedulerStats
+from meshrl.tasks.base import make_task
 from meshrl.topology.devices import proc_device, role_gpus
 from meshrl.topology.worker import process_info
-
-
-@dataclass
-class RolloutBatch:
-    """A generator's answer to one request: its episodes and the seconds they took."""
-
-    rollouts: list[Rollout]
-    seconds: float
 
 
 class GeneratorActor(Actor):
     def __init__(self, config: RunConfig, model_path: str, rank: int | None = None) -> None:
         self.rank = current_rank().rank if rank is None else rank  # a replacement keeps the rank it replaces
-        self.config = config
+        g = config.generator
         torch.set_num_threads(max(1, torch.get_num_threads() // max(1, config.topology.generator.procs)))
         gpus = role_gpus(config.topology, "generator", self.rank)
         proc_device(config.topology, "generator", self.rank)  # refuses GPUs the host lacks
-        self.engine = make_engine(config.generator.backend, model_path, config.model.dtype, gpus)
-        self.runner = EpisodeRunner(self.engine, AutoTokenizer.from_pretrained(model_path), make_task(config.task))
+        engine = make_engine(g.backend, model_path, config.model.dtype, gpus)
+        episodes = EpisodeFormat(AutoTokenizer.from_pretrained(model_path), make_task(config.task))
+        self.scheduler = EpisodeScheduler(
+            engine, episodes, Sampling(g.temperature, g.top_p, g.max_new_tokens),
+            max_episodes=g.max_concurrent_episodes, max_tokens=g.max_concurrent_tokens,
+        )  # fmt: skip
 
     @endpoint
-    def info(self) -> dict[str, Any]:
+    async def info(self) -> dict[str, Any]:
         return {"role": "generator", "rank": self.rank, **process_info()}
 
     @endpoint
-    def rollout(self, prompts: list[Prompt], seed: int) -> RolloutBatch:
-        """Episodes for `prompts` (each sampled `samples_per_prompt` times) and the seconds they took."""
-        g = self.config.generator
-        start = time.perf_counter()
-        rollouts = self.runner.run(
-            prompts, g.samples_per_prompt, temperature=g.temperature, top_p=g.top_p,
-            max_new_tokens=g.max_new_tokens, version=self.engine.version, seed=seed,
-        )  # fmt: skip
-        return RolloutBatch(rollouts, time.perf_counter() - start)
+    async def submit(self, requests: list[GroupRequest]) -> None:
+        """Queue groups of episodes; they start as slots free up."""
+        self.scheduler.submit(requests)
+
+    @concurrent_endpoint
+    async def take(self, wait_s: float) -> list[FinishedGroup]:
+        """Finished groups, waiting up to `wait_s` for the first (a long poll)."""
+        return await asyncio.to_thread(self.scheduler.take, wait_s)
 
     @endpoint
-    def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
-        self.engine.load_weights(weights, version)
+    async def stats(self) -> SchedulerStats:
+        return self.scheduler.stats
 
-    @endpoint
-    def pull_weights(self, buffer: Any, layout: WeightLayout, version: int) -> None:
-        """Read the trainer's flat weight buffer straight into a local one, then load it."""
+    @concurrent_endpoint
+    async def load_weights(self, weights: dict[str, torch.Tensor], version: int, wait: bool = False) -> None:
+        """Stage pickled weights; the engine swaps them in between two decode steps (`wait`:
+        return only then)."""
+        await self._stage(weights, version, wait)
+
+    @concurrent_endpoint
+    async def pull_weights(self, buffer: Any, layout: WeightLayout, version: int, wait: bool = False) -> None:
+        """Read the trainer's registered flat buffer into a local one and stage it: once this
+        returns the trainer may overwrite its buffer."""
         flat = layout.empty()
-        buffer.read_into(flat).get()
-        self.engine.load_weights(unflatten_weights(flat, layout), version)
+        await buffer.read_into(flat)
+        await self._stage(unflatten_weights(flat, layout), version, wait)
+
+    async def _stage(self, weights: dict[str, torch.Tensor], version: int, wait: bool) -> None:
+        loaded = self.scheduler.load_weights(weights, version)
+        if wait:
+            await asyncio.to_thread(loaded.wait)

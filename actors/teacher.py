@@ -37,12 +37,12 @@ class TeacherActor(Actor):
         return {"role": "teacher", "rank": self.rank, **process_info(), "teachers": [t.name for t in self.teachers]}
 
     @endpoint
-    def carry_spend(self, usd: float) -> None:
-        """The USD the run's paid teachers spent before this actor: the ceiling counts it."""
-        self.meter.charge(usd)
-
-    @endpoint
-    def replay(self, states: list[list[Message]], contexts: list[dict[str, Any]]) -> TeacherAnswers:
-        """Every teacher's action at each state, and the cumulative counters over all teachers."""
+    def replay(
+        self, states: list[list[Message]], contexts: list[dict[str, Any]], spent_elsewhere: float = 0.0
+    ) -> TeacherAnswers:
+        """Every teacher's action at each state, and this actor's counters over all its teachers.
+        `spent_elsewhere`: the USD the run's other teacher actors (and earlier ones: replaced,
+        before a resume) spent, as the controller last heard; the ceiling counts it."""
+        self.meter.elsewhere_usd = spent_elsewhere
         actions = [replay_state(self.teachers, self.cache, s, c) for s, c in zip(states, contexts)]
         return TeacherAnswers(actions, teacher_totals(self.teachers))

@@ -12,7 +12,7 @@ from monarch.actor import Actor, current_rank, endpoint
 from monarch.rdma import RDMABuffer
 
 from meshrl.configs.schema import RunConfig
-from meshrl.inference.weights import WeightLayout, flatten_weights
+from meshrl.inference.weights import WeightLayout, flatten_weights, refill_flat
 from meshrl.topology.devices import proc_device
 from meshrl.topology.worker import process_info
 from meshrl.trainer.core import TrainerCore
@@ -25,6 +25,7 @@ class TrainerActor(Actor):
         self.rank = current_rank().rank
         self.config, self.model_path = config, model_path
         self.core: TrainerCore | None = None
+        self._buffer: tuple[torch.Tensor, RDMABuffer, WeightLayout] | None = None
 
     @endpoint
     def setup(self) -> dict[str, Any]:
@@ -61,13 +62,17 @@ class TrainerActor(Actor):
     @endpoint
     def policy_weights_rdma(self) -> tuple[Any, WeightLayout] | None:
         """The weights as one flat buffer generators read directly (RDMA, or Monarch's TCP
-        fallback), from rank 0 (None elsewhere). The buffer lives until the next call replaces it."""
+        fallback), from rank 0 (None elsewhere). The buffer is registered once and refilled in
+        place by every call: the caller lets earlier reads finish first."""
         weights = self.core.weights()
         if self.rank != 0:
             return None
-        self._flat, layout = flatten_weights(weights, self.core.compute_dtype)
-        self._buffer = RDMABuffer(self._flat)
-        return self._buffer, layout
+        if self._buffer is None:
+            flat, layout = flatten_weights(weights, self.core.compute_dtype)
+            self._buffer = (flat, RDMABuffer(flat), layout)
+        else:
+            refill_flat(self._buffer[0], self._buffer[2], weights)
+        return self._buffer[1], self._buffer[2]
 
     @endpoint
     def read_text(self, path: str) -> str | None:

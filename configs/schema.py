@@ -189,6 +189,15 @@ class GeneratorConfig(Section):
     weight_sync: Literal["tensors", "rdma"] = Field(
         "tensors", description="Weights to generators as pickled endpoint tensors or read from an RDMA buffer."
     )
+    max_concurrent_episodes: int = Field(
+        32, ge=1, description="Episodes one generator runs at once; a finished one's slot is refilled at once."
+    )
+    max_concurrent_tokens: int = Field(
+        65536,
+        ge=2,
+        description="KV tokens one generator holds across its episodes (running turns count their context plus "
+        "max_new_tokens); idle episodes' caches are evicted first when a turn does not fit.",
+    )
 
     @field_validator("top_p")
     @classmethod
@@ -202,6 +211,15 @@ class GeneratorConfig(Section):
                 "generator.temperature; lower the temperature instead"
             )
         return top_p
+
+    @model_validator(mode="after")
+    def _caps_hold_an_episode(self) -> GeneratorConfig:
+        if self.max_concurrent_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"max_concurrent_tokens {self.max_concurrent_tokens} cannot hold one turn: it needs the prompt "
+                f"plus max_new_tokens {self.max_new_tokens}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _staleness_fits(self) -> GeneratorConfig:
@@ -347,9 +365,6 @@ class TeachersConfig(Section):
     min_agree: int = Field(2, ge=1, description="k: teachers that must agree on an action to mine a pair.")
     usd_ceiling: float = Field(10.0, ge=0, description="Stop calling paid endpoints past this spend.")
     states_per_step: int = Field(8, ge=1, description="Trace states sent to the teachers per step.")
-    wait_s: float = Field(
-        5.0, ge=0, description="Seconds a step waits for the teachers' answers; later ones are mined a step later."
-    )
 
     @model_validator(mode="after")
     def _enough_teachers_to_agree(self) -> TeachersConfig:

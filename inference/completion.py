@@ -6,7 +6,8 @@ generator actor and the loss see the same contract from either backend.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import random
+from dataclasses import dataclass, field
 from typing import Literal
 
 FinishReason = Literal["stop", "length"]
@@ -18,13 +19,27 @@ class Completion:
 
     `logprobs[i]` is the log-probability of `completion_ids[i]` under the distribution it
     was drawn from (after temperature and top-p; greedy reports temperature-1 logprobs).
-    A stop/eos token that ended the completion is its last element.
+    A stop/eos token that ended the completion is its last element. `versions[i]` is the
+    policy version loaded when token i was sampled: weights may change mid-completion.
     """
 
     prompt_ids: list[int]
     completion_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
+    versions: list[int] = field(default_factory=list)
+
+
+def request_seeds(seed: int | None, count: int) -> list[int | None]:
+    """One seed per request, drawn from `seed`.
+
+    Each sequence samples from its own generator, so one shared seed would make the copies of
+    a prompt (samples_per_prompt duplicates it) sample identical completions.
+    """
+    if seed is None:
+        return [None] * count
+    rng = random.Random(seed)
+    return [rng.getrandbits(63) for _ in range(count)]
 
 
 def check_sampling(prompts: list[list[int]], temperature: float, top_p: float, max_new_tokens: int) -> None:

@@ -1,10 +1,15 @@
-"""Batched sampling from an HF causal LM with a KV cache, for CPU (or any torch device).
+"""Sampling from an HF causal LM with a KV cache kept per conversation, for CPU (or any torch device).
 
 The decode loop is written out instead of calling `model.generate`, so each token's
 logprob is taken from exactly the distribution it was drawn from (temperature, then
-top-p) and the trainer can recompute it. Prompts are left-padded into one batch: one
-forward prefills them all, then each step feeds only the new tokens; rows that finish are
-dropped from the batch and the cache.
+top-p) and the trainer can recompute it.
+
+A `Sequence` is one conversation: its token ids and the KV cache of those the model has
+seen, kept across turns, so a new turn prefills only the ids appended since (a tool turn).
+A `DecodeBatch` advances many sequences by one token per forward: their caches are
+left-padded into one batched cache, rebuilt only when sequences join; a sequence whose turn
+ends leaves the batch with its own cache. Each sequence samples from its own seeded
+generator, so what it samples does not depend on which others share its batch.
 """
 
 from __future__ import annotations
@@ -12,8 +17,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
-from meshrl.inference.completion import Completion, FinishReason, check_sampling
+from meshrl.inference.completion import Completion, check_sampling, request_seeds
 
 
 def top_p_filter(logits: Tensor, top_p: float) -> Tensor:
@@ -30,18 +36,18 @@ def top_p_filter(logits: Tensor, top_p: float) -> Tensor:
     return logits.masked_fill(outside.scatter(-1, order, outside), float("-inf"))
 
 
-def sample(logits: Tensor, temperature: float, top_p: float, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-    """Draw one token per row; return the tokens and their logprobs under the distribution sampled.
+def sample(logits: Tensor, temperature: float, top_p: float, generator: torch.Generator) -> tuple[int, float]:
+    """Draw one token from one row of logits; return it and its logprob under the distribution sampled.
 
     Temperature 0 is greedy, with logprobs under the temperature-1 distribution.
     """
     if temperature == 0:
-        tokens = logits.argmax(dim=-1)
         logprobs = torch.log_softmax(logits, dim=-1)
+        token = int(logits.argmax())
     else:
         logprobs = torch.log_softmax(top_p_filter(logits / temperature, top_p), dim=-1)
-        tokens = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
-    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+        token = int(torch.multinomial(logprobs.exp(), 1, generator=generator))
+    return token, float(logprobs[token])
 
 
 def eos_token_ids(model: PreTrainedModel) -> list[int]:
@@ -99,7 +105,64 @@ class HFEngine:
                 current[name].copy_(tensor)
         self._version = version
 
+    def sequence(self, ids: list[int], seed: int | None = None) -> Sequence:
+        """A conversation starting with `ids`, sampling from a generator seeded with `seed`."""
+        return Sequence(ids, seed, self.device)
+
     @torch.inference_mode()
+    def begin_turn(
+        self,
+        seq: Sequence,
+        *,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        stop_token_ids: list[int] | None = None,
+    ) -> bool:
+        """Prefill the ids the sequence's cache lacks and sample the turn's first token.
+
+        Returns whether the turn goes on (then it joins a `DecodeBatch`); `seq.turn` holds it.
+        """
+        check_sampling([seq.ids], temperature, top_p, max_new_tokens)
+        seq.turn = Completion(list(seq.ids), [], [], "length")
+        seq.temperature, seq.top_p, seq.max_new_tokens = temperature, top_p, max_new_tokens
+        seq.stops = set(self.eos_token_ids) | set(stop_token_ids or [])
+        if seq.cache is None:
+            seq.cache = self.empty_cache()
+        device = self.device
+        new = torch.tensor([seq.ids[seq.cached :]], device=device)
+        positions = torch.arange(seq.cached, len(seq.ids), device=device)[None]
+        mask = torch.ones((1, len(seq.ids)), dtype=torch.long, device=device)
+        logits = self._next_logits(new, mask, positions, seq.cache, logits_to_keep=1)
+        seq.cached = len(seq.ids)
+        return self.take(seq, logits[0])
+
+    def take(self, seq: Sequence, logits: Tensor) -> bool:
+        """Sample the sequence's next token from its logits row; returns whether its turn goes on."""
+        token, logprob = sample(logits, seq.temperature, seq.top_p, seq.generator)
+        turn = seq.turn
+        seq.ids.append(token)
+        turn.completion_ids.append(token)
+        turn.logprobs.append(logprob)
+        turn.versions.append(self._version)
+        if token in seq.stops:
+            turn.finish_reason = "stop"
+            return False
+        return len(turn.completion_ids) < seq.max_new_tokens
+
+    def batch(self) -> DecodeBatch:
+        """An empty batch of running turns, for `begin_turn`'s sequences that go on."""
+        return DecodeBatch(self)
+
+    def empty_cache(self) -> DynamicCache:
+        cache = DynamicCache(config=self.model.config)
+        if any(type(layer) is not DynamicLayer for layer in cache.layers):
+            raise ValueError(
+                f"{type(self.model).__name__} uses sliding-window or other non-dynamic KV cache layers, "
+                "which the HF engine's per-conversation caches do not support; use generator.backend = vllm"
+            )
+        return cache
+
     def generate(
         self,
         prompts: list[list[int]],
@@ -110,65 +173,18 @@ class HFEngine:
         stop_token_ids: list[int] | None = None,
         seed: int | None = None,
     ) -> list[Completion]:
-        """Sample one completion per prompt, all prompts in one batch; deterministic given `seed`."""
+        """One completion per prompt, all advanced together; deterministic given `seed`."""
         check_sampling(prompts, temperature, top_p, max_new_tokens)
-        if not prompts:
-            return []
-        device = self.device
-        stops = torch.tensor(sorted(set(self.eos_token_ids) | set(stop_token_ids or [])), device=device)
-        generator = torch.Generator(device=device)
-        if seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(seed)
-
-        input_ids, attention_mask = self._left_pad(prompts)
-        position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.model.config)
-        logits = self._next_logits(input_ids, attention_mask, position_ids, cache, logits_to_keep=1)
-        next_position = position_ids[:, -1] + 1
-
-        rows = torch.arange(len(prompts), device=device)  # batch slot -> prompt index
-        completions: list[list[int]] = [[] for _ in prompts]
-        logprobs: list[list[float]] = [[] for _ in prompts]
-        finish: list[FinishReason] = ["length"] * len(prompts)
-        for step in range(max_new_tokens):
-            tokens, token_logprobs = sample(logits, temperature, top_p, generator)
-            for row, token, logprob in zip(rows.tolist(), tokens.tolist(), token_logprobs.tolist()):
-                completions[row].append(token)
-                logprobs[row].append(logprob)
-            done = torch.isin(tokens, stops)
-            for row in rows[done].tolist():
-                finish[row] = "stop"
-            if step == max_new_tokens - 1 or bool(done.all()):
-                break
-            if bool(done.any()):
-                keep = (~done).nonzero().squeeze(-1)
-                cache.batch_select_indices(keep)
-                rows, tokens, attention_mask, next_position = (
-                    rows[keep],
-                    tokens[keep],
-                    attention_mask[keep],
-                    next_position[keep],
-                )
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=1)
-            logits = self._next_logits(tokens[:, None], attention_mask, next_position[:, None], cache)
-            next_position = next_position + 1
-
-        return [
-            Completion(prompt_ids=list(prompt), completion_ids=ids, logprobs=lps, finish_reason=reason)
-            for prompt, ids, lps, reason in zip(prompts, completions, logprobs, finish)
-        ]
-
-    def _left_pad(self, prompts: list[list[int]]) -> tuple[Tensor, Tensor]:
-        """Right-align prompts so every row's next token lands in the last column."""
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, prompt in enumerate(prompts):
-            input_ids[i, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-            attention_mask[i, width - len(prompt) :] = 1
-        return input_ids.to(self.device), attention_mask.to(self.device)
+        seqs = [self.sequence(prompt, s) for prompt, s in zip(prompts, request_seeds(seed, len(prompts)))]
+        batch = self.batch()
+        for seq in seqs:
+            if self.begin_turn(
+                seq, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids
+            ):
+                batch.add(seq)
+        while batch:
+            batch.step()
+        return [seq.turn for seq in seqs]
 
     def _next_logits(
         self,
@@ -192,3 +208,117 @@ class HFEngine:
         )
         logits = out.logits[:, -1]
         return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
+class Sequence:
+    """One conversation: its ids, the KV cache of `ids[:cached]`, its sampler, and its current turn."""
+
+    def __init__(self, ids: list[int], seed: int | None, device: torch.device) -> None:
+        if not ids:
+            raise ValueError("a sequence needs at least one token to condition on")
+        self.ids = list(ids)
+        self.cache: DynamicCache | None = None
+        self.cached = 0
+        self.generator = torch.Generator(device=device)
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+        self.turn: Completion | None = None
+        self.temperature, self.top_p, self.max_new_tokens = 1.0, 1.0, 1
+        self.stops: set[int] = set()
+
+    def extend(self, ids: list[int]) -> None:
+        """Append ids the model did not sample (a tool turn); the next turn prefills them."""
+        self.ids += ids
+
+    def release(self) -> None:
+        """Drop the KV cache (the next turn prefills the whole conversation again)."""
+        self.cache, self.cached = None, 0
+
+
+class DecodeBatch:
+    """Sequences mid-turn, advanced by one token per forward.
+
+    The batch's cache is the truth for its rows while they stay; rows whose turn ends are cut
+    out with their caches, and sequences that join trigger one rebuild (every row's cache
+    split out, then left-padded together again), so the cost of re-padding is paid per join,
+    not per token.
+    """
+
+    def __init__(self, engine: HFEngine) -> None:
+        self.engine = engine
+        self.rows: list[Sequence] = []
+        self.joining: list[Sequence] = []
+        self.cache: DynamicCache | None = None
+        self.mask: Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.rows) + len(self.joining)
+
+    def add(self, seq: Sequence) -> None:
+        """A sequence whose turn `begin_turn` started and that goes on."""
+        self.joining.append(seq)
+
+    @torch.inference_mode()
+    def step(self) -> list[Sequence]:
+        """One token for every row; returns the sequences whose turn ended (they leave the batch)."""
+        if self.joining:
+            self._rebuild()
+        engine, rows = self.engine, self.rows
+        device = engine.device
+        tokens = torch.tensor([[seq.ids[-1]] for seq in rows], device=device)
+        positions = torch.tensor([[seq.cached] for seq in rows], device=device)
+        self.mask = torch.cat([self.mask, self.mask.new_ones(len(rows), 1)], dim=1)
+        logits = engine._next_logits(tokens, self.mask, positions, self.cache)
+        going = []
+        for i, seq in enumerate(rows):
+            seq.cached += 1
+            going.append(engine.take(seq, logits[i]))
+        if all(going):
+            return []
+        ended = [seq for seq, on in zip(rows, going) if not on]
+        for i, on in enumerate(going):
+            if not on:
+                self._split(i)
+        keep = [i for i, on in enumerate(going) if on]
+        self.rows = [rows[i] for i in keep]
+        if keep:
+            self.cache.batch_select_indices(torch.tensor(keep, device=device))
+            self.mask = self.mask[keep]
+        else:
+            self.cache = self.mask = None
+        return ended
+
+    def _split(self, i: int) -> None:
+        """Row i's cache, without its left padding, back onto its sequence."""
+        seq = self.rows[i]
+        seq.cache = self.engine.empty_cache()
+        for mine, batched in zip(seq.cache.layers, self.cache.layers):
+            mine.update(
+                batched.keys[i : i + 1, :, -seq.cached :].clone(), batched.values[i : i + 1, :, -seq.cached :].clone()
+            )
+
+    def _rebuild(self) -> None:
+        for i in range(len(self.rows)):
+            self._split(i)
+        self.rows += self.joining
+        self.joining = []
+        width = max(seq.cached for seq in self.rows)
+        self.cache = self.engine.empty_cache()
+        for layer_index, layer in enumerate(self.cache.layers):
+            keys, values = zip(*(_padded(seq.cache.layers[layer_index], width) for seq in self.rows))
+            layer.update(torch.cat(keys), torch.cat(values))
+        self.mask = torch.zeros((len(self.rows), width), dtype=torch.long, device=self.engine.device)
+        for i, seq in enumerate(self.rows):
+            self.mask[i, width - seq.cached :] = 1
+            seq.cache = None  # the batch holds it now
+
+
+def _padded(layer: DynamicLayer, width: int) -> tuple[Tensor, Tensor]:
+    """A one-row layer's keys and values left-padded with zeros to `width` positions."""
+    pad = width - layer.keys.shape[-2]
+    return (
+        torch.nn.functional.pad(layer.keys, (0, 0, pad, 0)),
+        torch.nn.functional.pad(layer.values, (0, 0, pad, 0)),
+    )

@@ -10,24 +10,11 @@ mapping lives in pure functions that are tested without vLLM.
 from __future__ import annotations
 
 import os
-import random
 from typing import Any
 
 from torch import Tensor
 
-from meshrl.inference.completion import Completion, check_sampling
-
-
-def request_seeds(seed: int | None, count: int) -> list[int | None]:
-    """One seed per request, drawn from `seed`.
-
-    vLLM seeds each request separately, so one shared seed would make the copies of a prompt
-    (samples_per_prompt duplicates it) sample identical completions.
-    """
-    if seed is None:
-        return [None] * count
-    rng = random.Random(seed)
-    return [rng.getrandbits(63) for _ in range(count)]
+from meshrl.inference.completion import Completion, check_sampling, request_seeds
 
 
 def to_sampling_kwargs(

@@ -39,6 +39,15 @@ def flatten_weights(weights: dict[str, torch.Tensor], dtype: torch.dtype) -> tup
     return flat, WeightLayout(dtype, [TensorSlot(name, tuple(t.shape), t.numel()) for name, t in weights.items()])
 
 
+def refill_flat(flat: torch.Tensor, layout: WeightLayout, weights: dict[str, torch.Tensor]) -> None:
+    """Overwrite a buffer `flatten_weights` made with new values of the same weights (a
+    registered buffer is reused, not registered again)."""
+    offset = 0
+    for slot in layout.slots:
+        flat[offset : offset + slot.numel].copy_(weights[slot.name].flatten())
+        offset += slot.numel
+
+
 def unflatten_weights(flat: torch.Tensor, layout: WeightLayout) -> dict[str, torch.Tensor]:
     """Views into `flat`, by name, as `flatten_weights` laid them out."""
     if flat.dtype != layout.dtype or flat.numel() != sum(slot.numel for slot in layout.slots):

@@ -1,21 +1,21 @@
 """Multi-turn episodes: the generator samples assistant turns, the task answers tool calls.
 
 A rollout keeps the exact token ids the policy saw and sampled — prompt, completions, and
-the templated tool turns spliced in between — with the sampler's logprob on every sampled
-token. The trainer scores those same ids, so nothing is re-tokenized between sampling and
-training.
+the templated tool turns spliced in between — with the sampler's logprob and policy version
+on every sampled token. The trainer scores those same ids, so nothing is re-tokenized
+between sampling and training.
 """
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from meshrl.inference.completion import Completion
 from meshrl.inference.toolcalls import parse_tool_calls
-from meshrl.tasks.base import Prompt, Task
+from meshrl.tasks.base import Prompt, Task, ToolResult
 from meshrl.traces.collator import TraceCollator
 
 
@@ -26,20 +26,33 @@ class Rollout:
     token_ids: list[int]
     loss_mask: list[bool]  # sampled tokens
     logprobs: list[float]  # the sampler's, 0 off the mask
-    version: int  # policy version that sampled it
+    versions: list[int]  # policy version that sampled each masked token, in order
     finish_reason: str = "stop"
     reward: float | None = None
-    group: int = 0  # rollouts of one prompt share a group (advantage normalisation)
     turns: int = 0
     tool_errors: int = 0
     info: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def version(self) -> int:
+        """The oldest policy version among its tokens: how stale the rollout is."""
+        return min(self.versions)
 
-class EpisodeRunner:
-    """Runs batches of episodes of a task with an engine (HF or vLLM) and the policy's chat template."""
 
-    def __init__(self, engine: Any, tokenizer: PreTrainedTokenizerBase, task: Task) -> None:
-        self.engine, self.tokenizer, self.task = engine, tokenizer, task
+def fresh_rollouts(rollouts: list[Rollout], step: int, max_off_policy_steps: int) -> list[Rollout]:
+    """The rollouts whose oldest token was sampled at most `max_off_policy_steps` versions before `step`."""
+    return [r for r in rollouts if step - r.version <= max_off_policy_steps]
+
+
+class EpisodeFormat:
+    """How an episode's turns become token ids under the policy's chat template.
+
+    The schedulers (per-episode in `rollouts.scheduler`, lock-step in the benchmark) share it,
+    so both build the same rollouts from the same completions.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, task: Task) -> None:
+        self.tokenizer, self.task = tokenizer, task
         self.footer = TraceCollator(tokenizer).footer  # the end-of-turn marker the engine stops on
         self.stop_ids = [tokenizer.convert_tokens_to_ids(self.footer)] if self.footer else []
 
@@ -48,6 +61,50 @@ class EpisodeRunner:
 
     def _ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def start(self, prompt: Prompt) -> Rollout:
+        """A rollout holding the templated prompt, ready for its first assistant turn."""
+        ids = self._ids(self._render(prompt.messages, generation_prompt=True))
+        return Rollout(prompt, [dict(m) for m in prompt.messages], ids, [False] * len(ids), [0.0] * len(ids), [])
+
+    def add_turn(self, rollout: Rollout, completion: Completion) -> list[dict[str, Any]]:
+        """Append a sampled assistant turn; returns its tool calls (none when it was cut by length).
+
+        Calls of the task's last turn are still answered, so the reward sees their results."""
+        rollout.turns += 1
+        rollout.token_ids += completion.completion_ids
+        rollout.loss_mask += [True] * len(completion.completion_ids)
+        rollout.logprobs += completion.logprobs
+        rollout.versions += completion.versions
+        rollout.finish_reason = completion.finish_reason
+        text = self.tokenizer.decode(completion.completion_ids, skip_special_tokens=True)
+        content, calls = parse_tool_calls(text)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        rollout.messages.append(message)
+        return calls if completion.finish_reason == "stop" else []
+
+    def goes_on(self, rollout: Rollout, calls: list[dict[str, Any]]) -> bool:
+        """Whether another assistant turn follows the one just added."""
+        return bool(calls) and rollout.turns < self.task.max_turns
+
+    def call_tool(self, rollout: Rollout, call: dict[str, Any]) -> ToolResult:
+        return self.task.call_tool(rollout.prompt, call["function"]["name"], call["function"]["arguments"])
+
+    def add_tool_results(self, rollout: Rollout, calls: list[dict[str, Any]], results: list[ToolResult]) -> list[int]:
+        """Append the tool turn answering `calls`; returns its token ids (what the next turn prefills)."""
+        tool_messages = []
+        for call, result in zip(calls, results, strict=True):
+            rollout.tool_errors += result.is_error
+            tool_messages.append({"role": "tool", "content": result.content, "tool_call_id": call["id"],
+                                  "is_error": result.is_error})  # fmt: skip
+        ids = self._tool_turn_ids(rollout.messages, tool_messages)
+        rollout.token_ids += ids
+        rollout.loss_mask += [False] * len(ids)
+        rollout.logprobs += [0.0] * len(ids)
+        rollout.messages += tool_messages
+        return ids
 
     def _tool_turn_ids(self, messages: list[dict[str, Any]], tool_messages: list[dict[str, Any]]) -> list[int]:
         """Tokens between the sampled end-of-turn and the next assistant turn's first sampled token."""
@@ -58,59 +115,5 @@ class EpisodeRunner:
         tail = before[before.rfind(self.footer) + len(self.footer) :] if self.footer else ""
         return self._ids(tail + after[len(before) :])
 
-    def run(
-        self,
-        prompts: list[Prompt],
-        samples_per_prompt: int,
-        *,
-        temperature: float,
-        top_p: float,
-        max_new_tokens: int,
-        version: int,
-        seed: int,
-    ) -> list[Rollout]:
-        rollouts = []
-        for group, prompt in enumerate(prompts):
-            for _ in range(samples_per_prompt):
-                ids = self._ids(self._render(prompt.messages, generation_prompt=True))
-                rollouts.append(Rollout(prompt, [dict(m) for m in prompt.messages], ids, [False] * len(ids),
-                                        [0.0] * len(ids), version, group=group))  # fmt: skip
-        active = list(rollouts)
-        rng = random.Random(seed)
-        for _ in range(self.task.max_turns):
-            if not active:
-                break
-            completions = self.engine.generate(
-                [r.token_ids for r in active], temperature=temperature, top_p=top_p,
-                max_new_tokens=max_new_tokens, stop_token_ids=self.stop_ids, seed=rng.randrange(2**31),
-            )  # fmt: skip
-            still = []
-            for r, c in zip(active, completions):
-                r.turns += 1
-                r.token_ids += list(c.completion_ids)
-                r.loss_mask += [True] * len(c.completion_ids)
-                r.logprobs += list(c.logprobs)
-                r.finish_reason = c.finish_reason
-                content, calls = parse_tool_calls(self.tokenizer.decode(c.completion_ids, skip_special_tokens=True))
-                message: dict[str, Any] = {"role": "assistant", "content": content}
-                if calls:
-                    message["tool_calls"] = calls
-                r.messages.append(message)
-                if c.finish_reason != "stop" or not calls:
-                    continue
-                tool_messages = []
-                for call in calls:
-                    result = self.task.call_tool(r.prompt, call["function"]["name"], call["function"]["arguments"])
-                    r.tool_errors += result.is_error
-                    tool_messages.append({"role": "tool", "content": result.content, "tool_call_id": call["id"],
-                                          "is_error": result.is_error})  # fmt: skip
-                tool_ids = self._tool_turn_ids(r.messages, tool_messages)
-                r.token_ids += tool_ids
-                r.loss_mask += [False] * len(tool_ids)
-                r.logprobs += [0.0] * len(tool_ids)
-                r.messages += tool_messages
-                still.append(r)
-            active = still
-        for r in rollouts:
-            r.reward = float(self.task.reward(r.prompt, r.messages))
-        return rollouts
+    def score(self, rollout: Rollout) -> None:
+        rollout.reward = float(self.task.reward(rollout.prompt, rollout.messages))

@@ -1,15 +1,19 @@
 """The run controller (the `meshrl train` process): spawns the meshes and drives the steps.
 
-Per step: take the rollouts generated for it (at most `max_async_level` policy versions
-stale; older than `max_off_policy_steps` are dropped), compute group-normalised
-advantages, shard packed micro-batches and the replay/SDPO batch to the trainer ranks,
-step, push the new weights to the generators, hand this step's imperfect states to the
-teachers and mine last step's answers into DPO pairs, log, and checkpoint.
+Generation never waits on the controller. Generators are fed groups (one prompt, sampled
+`samples_per_prompt` times) up to `max_async_level` policy versions ahead, each tagged with
+the oldest version it may start on, and stream finished groups back through long-polled
+`take` calls. Per step: gather the step's groups, drop rollouts whose oldest token is more
+than `max_off_policy_steps` versions old, compute group-normalised advantages, shard packed
+micro-batches and the replay/SDPO batch to the trainer ranks, step, publish the new weights
+(generators pull them from the trainer's registered buffer and swap them in between decode
+steps; the controller does not wait), hand imperfect states to idle teacher actors and mine
+the answers that have come back into DPO pairs, log, and checkpoint.
 
 Faults: a dead generator or teacher is replaced on its host (a generator with the current
-weights) and its in-flight work is dropped and counted; teacher answers are awaited at most
-`teachers.wait_s` per step. A dead trainer process or a lost worker host stops the run with
-`RunStopped`, after a checkpoint when the trainers can still take one.
+weights) and its in-flight work is dropped and counted. A dead trainer process or a lost
+worker host stops the run with `RunStopped`, after a checkpoint when the trainers can still
+take one.
 """
 
 from __future__ import annotations
@@ -17,15 +21,14 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from monarch.spmd import setup_torch_elastic_env
 from transformers import AutoTokenizer
 
-from meshrl.actors.generator import GeneratorActor, RolloutBatch
+from meshrl.actors.generator import GeneratorActor
 from meshrl.actors.teacher import TeacherActor, TeacherAnswers
 from meshrl.actors.trainer import TrainerActor
 from meshrl.configs.loader import ConfigError, to_toml
@@ -33,7 +36,8 @@ from meshrl.configs.schema import RunConfig
 from meshrl.models.tiny import ensure_tiny
 from meshrl.rollouts.advantages import group_advantages
 from meshrl.rollouts.batches import aux_shards, rl_shards, rollout_trace
-from meshrl.rollouts.episodes import Rollout
+from meshrl.rollouts.episodes import Rollout, fresh_rollouts
+from meshrl.rollouts.scheduler import FinishedGroup, GroupRequest
 from meshrl.run.export import export_model
 from meshrl.run.plots import plot
 from meshrl.run.progress import Progress
@@ -49,33 +53,35 @@ from meshrl.traces.schema import TraceExample
 
 
 @dataclass
-class RolloutRequest:
-    """A step's prompts asked of one generator rank: the actor asked (a replaced rank has a new
-    one), how many rollouts that is, and the answer to come."""
+class GroupSlot:
+    """A requested group not yet back: the step it is for, the generator rank and actor asked
+    (a replaced rank has a new one), and its rollouts."""
 
+    step: int
     rank: int
     actor: Any
-    asked: int
-    future: Any  # -> RolloutBatch
+    samples: int
 
 
 @dataclass
 class StepRequest:
-    """One step's requests to the generators, and the prompt streams as they were before its
-    prompts were drawn: a checkpoint taken while it is in flight saves those, so a resumed run
-    draws the same prompts again instead of skipping them."""
+    """One step's groups, and the prompt streams as they were before its prompts were drawn: a
+    checkpoint taken while it is in flight saves those, so a resumed run draws the same prompts
+    again instead of skipping them."""
 
-    requests: list[RolloutRequest]
+    keys: list[str]
     streams_before: dict[str, Any]
+    groups: list[FinishedGroup] = field(default_factory=list)
 
 
 @dataclass
 class TeacherRound:
-    """States sent to a teacher actor, awaiting its answers (mined into pairs a step later)."""
+    """States sent to a teacher actor, awaiting its answers (mined into pairs when they come)."""
 
     actor: Any
     future: Any  # -> TeacherAnswers
     states: list[ReplayState]
+    sent: float
 
 
 def resolve_model(config: RunConfig, run: RunDir) -> str:
@@ -97,16 +103,21 @@ class Controller:
         self.data_rng = random.Random(config.seed)  # prompts
         self.seed_rng = random.Random(config.seed + 1)  # generator sampling seeds
         self.teacher_rng = random.Random(config.seed + 3)  # offline states for the teachers
-        self.pending: deque[StepRequest] = deque()
         self.step = 0
+        self.requests: dict[int, StepRequest] = {}  # by step, oldest first
+        self.slots: dict[str, GroupSlot] = {}  # groups in flight, by key
+        self.takes: dict[int, Any] = {}  # generator rank -> its pending `take` (-> list[FinishedGroup])
+        self.pulls: dict[int, Any] = {}  # generator rank -> its pending weight load
+        self.groups_asked = 0
         self.pairs: list[DpoPair] = []
         self.dropped_stale = 0
         self.lost_rollouts = 0  # in flight on a generator that died
-        self.pending_teacher: TeacherRound | None = None
+        self.teacher_rounds: dict[int, TeacherRound] = {}  # teacher rank -> its round in flight
         self.teacher_counts = {"actor_failures": 0, "late_rounds": 0}
-        self.teacher_totals: dict[str, float] = {}  # counters of teacher actors that died
-        self.teacher_latest: dict[str, float] = {}
+        self.teacher_totals: dict[str, float] = {}  # counters of teacher actors gone (died, or before a resume)
+        self.teacher_latest: dict[int, dict[str, float]] = {}  # teacher rank -> its live actor's counters
         self.offline_states = self._offline_states()
+        self.timeline: list[dict[str, Any]] = []  # this step's spans (see `_span`)
 
     # ------------------------------------------------------------------ meshes
 
@@ -197,92 +208,161 @@ class Controller:
     def _streams(self) -> dict[str, Any]:
         return {"data_rng": _rng_state(self.data_rng), "seed_rng": _rng_state(self.seed_rng)}
 
-    def _request(self) -> StepRequest:
-        """Ask every generator for its share of a step's prompts."""
+    def _request(self, step: int) -> None:
+        """Deal a step's groups round-robin to the generators; a group starts once its generator
+        runs policy version `step - max_async_level` or newer."""
+        g = self.config.generator
         before = self._streams()
         prompts = self.task.sample_prompts(self.data_rng, self.config.task.prompts_per_step)
-        n, samples = len(self.generators), self.config.generator.samples_per_prompt
-        requests = []
-        for i in range(n):
-            if prompts[i::n]:
-                actor = self.generators[i]
-                future = actor.rollout.call_one(prompts[i::n], self.seed_rng.randrange(2**31))
-                requests.append(RolloutRequest(i, actor, len(prompts[i::n]) * samples, future))
-        return StepRequest(requests, before)
-
-    def _collect(self, requests: list[RolloutRequest]) -> RolloutBatch:
-        """The rollouts of the generators that answered and their slowest time; rollouts of a
-        dead generator are counted lost and the generator replaced (once, however many of its
-        requests were in flight)."""
-        collected = RolloutBatch([], 0.0)
-        for request in requests:
+        by_rank: dict[int, list[GroupRequest]] = {}
+        keys = []
+        for prompt in prompts:
+            rank = self.groups_asked % len(self.generators)
+            key = f"{step}/{self.groups_asked}"
+            self.groups_asked += 1
+            seed = self.seed_rng.randrange(2**31)
+            by_rank.setdefault(rank, []).append(
+                GroupRequest(key, prompt, g.samples_per_prompt, seed, min_version=max(0, step - g.max_async_level))
+            )
+            self.slots[key] = GroupSlot(step, rank, self.generators[rank], g.samples_per_prompt)
+            keys.append(key)
+        self.requests[step] = StepRequest(keys, before)
+        for rank, groups in by_rank.items():
             try:
-                batch: RolloutBatch = request.future.get()
+                self.generators[rank].submit.call_one(groups).get()
             except SupervisionError:
-                self.lost_rollouts += request.asked
-                if self.generators[request.rank] is request.actor:
-                    self._replace_generator(request.rank)
+                self._generator_died(rank)
+
+    def _feed(self) -> None:
+        """Keep the generators a step beyond what they may start: its groups wait on the
+        generator for the weights they need and start the moment those land."""
+        level = self.config.generator.max_async_level
+        ahead = max(self.requests, default=self.step - 1) + 1
+        while ahead < self.config.max_steps and ahead <= self.step + level + 1:
+            self._request(ahead)
+            ahead += 1
+
+    def _gather(self, step: int) -> StepRequest:
+        """Wait until every group of `step` is back or lost, taking finished groups of any step
+        as they come."""
+        request = self.requests[step]
+        while any(key in self.slots for key in request.keys):
+            self._poll(wait_s=0.01)
+        return self.requests.pop(step)
+
+    def _poll(self, wait_s: float) -> None:
+        for rank in range(len(self.generators)):
+            if rank not in self.takes:
+                self.takes[rank] = self.generators[rank].take.call_one(1.0)
+            try:
+                groups = self.takes[rank].get(timeout=wait_s)
+            except TimeoutError:
                 continue
-            collected.rollouts += batch.rollouts
-            collected.seconds = max(collected.seconds, batch.seconds)
-        return collected
+            except SupervisionError:
+                self._generator_died(rank)
+                continue
+            del self.takes[rank]
+            for group in groups:
+                slot = self.slots.pop(group.key, None)
+                if slot is not None:
+                    self.requests[slot.step].groups.append(group)
+                    self.timeline.append(_span(f"generator {rank}", group.started, group.finished, slot.step))
 
-    def _replace_generator(self, rank: int) -> None:
+    def _generator_died(self, rank: int) -> None:
+        """Count the rank's groups in flight as lost, and replace it (once, however many calls
+        found it dead)."""
+        dead = self.generators[rank]
+        for key, slot in list(self.slots.items()):
+            if slot.actor is dead:
+                self.lost_rollouts += slot.samples
+                del self.slots[key]
+        self.takes.pop(rank, None)
+        self.pulls.pop(rank, None)
         self._replace(self.generators, rank)
-        if self._sync_weights(self.step, [rank]):
-            raise RunStopped(f"generator rank {rank} died again right after it was replaced; see the worker's log")
+        try:
+            self._load_weights([rank], self.step, wait=True)
+            self.pulls.pop(rank).get()
+        except SupervisionError:
+            raise RunStopped(
+                f"generator rank {rank} died again right after it was replaced; see the worker's log"
+            ) from None
 
-    def _sync_weights(self, version: int, ranks: list[int]) -> list[int]:
-        """Trainer rank 0's weights → these generator ranks; returns the ranks that died meanwhile.
-        Every trainer rank is called: under FSDP2 the full weights are an all-gather."""
+    # ------------------------------------------------------------------ weights
+
+    def _load_weights(self, ranks: list[int], version: int, wait: bool = False) -> None:
+        """Trainer rank 0's weights → these generator ranks, through the trainer's registered
+        RDMA buffer (read by the generators themselves) or as pickled tensors; the loads are left
+        in `self.pulls`. Every trainer rank is called: under FSDP2 the full weights are an all-gather."""
+        self._settle_pulls()  # the buffer is refilled in place: earlier reads must be done
         if self.config.generator.weight_sync == "rdma":
             buffer, layout = self.trainers.policy_weights_rdma.call().get().item(rank=0)
-            futures = {r: self.generators[r].pull_weights.call_one(buffer, layout, version) for r in ranks}
+            for rank in ranks:
+                self.pulls[rank] = self.generators[rank].pull_weights.call_one(buffer, layout, version, wait)
         else:
             weights = self.trainers.policy_weights.call().get().item(rank=0)
-            futures = {r: self.generators[r].load_weights.call_one(weights, version) for r in ranks}
-        dead = []
-        for rank, future in futures.items():
+            for rank in ranks:
+                self.pulls[rank] = self.generators[rank].load_weights.call_one(weights, version, wait)
+
+    def _settle_pulls(self) -> None:
+        """Wait for the weight loads in flight; a generator that died meanwhile is replaced."""
+        while self.pulls:
+            rank, future = self.pulls.popitem()
             try:
                 future.get()
             except SupervisionError:
-                dead.append(rank)
-        return dead
+                self._generator_died(rank)
 
-    def _push_weights(self, version: int) -> float:
-        """The new policy to every generator, as pickled tensors or through an RDMA buffer;
-        a generator that died meanwhile is replaced (and gets the weights)."""
+    def _publish(self, version: int, wait: bool = False) -> float:
+        """The new policy to every generator; returns the seconds the controller spent on it."""
         start = time.perf_counter()
-        for rank in self._sync_weights(version, list(range(len(self.generators)))):
-            self._replace_generator(rank)
+        self._load_weights(list(range(len(self.generators))), version, wait)
+        if wait:
+            self._settle_pulls()
         return time.perf_counter() - start
 
+    # ------------------------------------------------------------------ teachers
+
     def _teacher_round(self, rollouts: list[Rollout]) -> dict[str, float]:
-        """Collect last step's teacher answers as pairs; send this step's imperfect states."""
+        """Mine the teacher answers that have come back; send this step's imperfect states to
+        the teacher actors that are free. Never waits for a teacher."""
         if self.teachers is None:
             return {}
-        if self.pending_teacher is not None:
-            pending = self.pending_teacher
+        for rank, pending in list(self.teacher_rounds.items()):
             try:
-                reply: TeacherAnswers = pending.future.get(timeout=self.config.teachers.wait_s)
-                answers, self.teacher_latest = reply.actions, reply.totals
-            except TimeoutError:  # still answering: keep waiting next step, send nothing new
+                reply: TeacherAnswers = pending.future.get(timeout=0.001)
+            except TimeoutError:
                 self.teacher_counts["late_rounds"] += 1
-                return self._teacher_stats()
+                continue
             except SupervisionError:
+                del self.teacher_rounds[rank]
                 self.teacher_counts["actor_failures"] += 1
-                answers = []
-                for name, value in self.teacher_latest.items():
+                for name, value in self.teacher_latest.pop(rank, {}).items():
                     self.teacher_totals[name] = self.teacher_totals.get(name, 0.0) + value
-                self.teacher_latest = {}
-                if self.teachers[0] is pending.actor:
-                    self._replace(self.teachers, 0)
-                    self._carry_teacher_spend()
-            self.pending_teacher = None
-            for state, actions in zip(pending.states, answers):
+                if self.teachers[rank] is pending.actor:
+                    self._replace(self.teachers, rank)
+                continue
+            del self.teacher_rounds[rank]
+            self.teacher_latest[rank] = reply.totals
+            self.timeline.append(_span(f"teacher {rank}", pending.sent, time.time(), self.step - 1))
+            for state, actions in zip(pending.states, reply.actions):
                 pair = mine_pairs(state, actions, self.config.teachers.min_agree)
                 if pair is not None:
                     self.pairs.append(pair)
+        free = [rank for rank in range(len(self.teachers)) if rank not in self.teacher_rounds]
+        if free:
+            states, contexts = self._teacher_states(rollouts)
+            spent = self._teacher_totals().get("usd_spent", 0.0)
+            for i, rank in enumerate(free):
+                chunk, chunk_contexts = states[i :: len(free)], contexts[i :: len(free)]
+                if chunk:
+                    actor = self.teachers[rank]
+                    elsewhere = spent - self.teacher_latest.get(rank, {}).get("usd_spent", 0.0)
+                    future = actor.replay.call_one([s.state_messages for s in chunk], chunk_contexts, elsewhere)
+                    self.teacher_rounds[rank] = TeacherRound(actor, future, chunk, time.time())
+        return self._teacher_stats()
+
+    def _teacher_states(self, rollouts: list[Rollout]) -> tuple[list[ReplayState], list[dict[str, Any]]]:
+        """Up to `states_per_step` states: the worst rollouts' imperfect states, then offline ones."""
         classifier = ErrorClassifier()
         budget = self.config.teachers.states_per_step
         states, contexts = [], []
@@ -294,22 +374,16 @@ class Controller:
         for state in self.teacher_rng.sample(self.offline_states, min(len(self.offline_states), budget // 2)):
             states.append(state)
             contexts.append({})
-        states, contexts = states[:budget], contexts[:budget]
-        actor = self.teachers[0]
-        self.pending_teacher = TeacherRound(
-            actor, actor.replay.call_one([s.state_messages for s in states], contexts), states
-        )
-        return self._teacher_stats()
-
-    def _carry_teacher_spend(self) -> None:
-        """A new teacher actor (respawn, resume) starts its ceiling from what the run has spent."""
-        self.teachers[0].carry_spend.call_one(self.teacher_totals.get("usd_spent", 0.0)).get()
+        return states[:budget], contexts[:budget]
 
     def _teacher_totals(self) -> dict[str, float]:
-        """Teacher counters over the run: the live actor's plus those of actors before it
+        """Teacher counters over the run: the live actors' plus those of actors before them
         (replaced ones, and the run before a resume)."""
-        names = set(self.teacher_totals) | set(self.teacher_latest)
-        return {k: self.teacher_totals.get(k, 0.0) + self.teacher_latest.get(k, 0.0) for k in names}
+        totals = dict(self.teacher_totals)
+        for latest in self.teacher_latest.values():
+            for name, value in latest.items():
+                totals[name] = totals.get(name, 0.0) + value
+        return totals
 
     def _teacher_stats(self) -> dict[str, float]:
         return {f"teacher/{k}": float(v) for k, v in {**self._teacher_totals(), **self.teacher_counts}.items()}
@@ -317,11 +391,13 @@ class Controller:
     # ------------------------------------------------------------------ checkpoints
 
     def save(self) -> None:
+        start = time.time()
         staging = self.run.staging(self.step)
         self.trainers.save_checkpoint.call(str(staging)).get()
+        oldest = min(self.requests, default=None)
         state = {
             "step": self.step,
-            **(self.pending[0].streams_before if self.pending else self._streams()),
+            **(self.requests[oldest].streams_before if oldest is not None else self._streams()),
             "teacher_rng": _rng_state(self.teacher_rng),
             "teacher_totals": self._teacher_totals(),
             "teacher_counts": self.teacher_counts,
@@ -331,6 +407,7 @@ class Controller:
             "teacher_cache": str(self.run.root / "teacher_cache.jsonl"),
         }
         self.run.commit_checkpoint(staging, self.step, state, self.config.ckpt.keep_last)
+        self.timeline.append(_span("checkpoint", start, time.time(), self.step - 1))
 
     def resume(self) -> bool:
         latest = self.run.latest_checkpoint()
@@ -343,13 +420,11 @@ class Controller:
         self.seed_rng.setstate(_rng_from(state["seed_rng"]))
         self.teacher_rng.setstate(_rng_from(state["teacher_rng"]))
         self.teacher_totals, self.teacher_counts = state["teacher_totals"], state["teacher_counts"]
-        if self.teachers is not None:
-            self._carry_teacher_spend()
         self.pairs = [DpoPair.model_validate(p) for p in state["pairs"]]
         self.dropped_stale = state["dropped_stale"]
         self.lost_rollouts = state["lost_rollouts"]
         self.run.keep_metrics_before(self.step)
-        self._push_weights(self.step)
+        self._publish(self.step, wait=True)
         return True
 
     # ------------------------------------------------------------------ the loop
@@ -367,26 +442,22 @@ class Controller:
             chunk = demos[i * size : (i + 1) * size]
             self.trainers.sft_step.call([self.collator(chunk[r::world]).batch for r in range(world)]).get()
         self.trainers.start_rl.call().get()
-        self._push_weights(0)
+        self._publish(0, wait=True)
 
     def train(self, progress: Progress) -> None:
         cfg = self.config
         world = cfg.topology.trainer.size
-        level = cfg.generator.max_async_level
-        pending = self.pending
-        for _ in range(self.step, min(self.step + max(level, 1), cfg.max_steps)):
-            pending.append(self._request())
         while self.step < cfg.max_steps:
             step_start = time.perf_counter()
-            if not pending:
-                pending.append(self._request())
-            collected = self._collect(pending.popleft().requests)
-            rollouts, gen_seconds = collected.rollouts, collected.seconds
-            fresh = [r for r in rollouts if self.step - r.version <= cfg.generator.max_off_policy_steps]
+            self.timeline = []
+            self._feed()
+            request = self._gather(self.step)
+            waited = time.perf_counter() - step_start
+            rollouts = [r for group in request.groups for r in group.rollouts]
+            fresh = fresh_rollouts(rollouts, self.step, cfg.generator.max_off_policy_steps)
             self.dropped_stale += len(rollouts) - len(fresh)
-            if level > 0 and self.step + level < cfg.max_steps:
-                pending.append(self._request())
-            if not fresh:  # every generator of this step died (or was too stale): ask again
+            if not fresh:  # every generator of this step died (or all was too stale): ask again
+                self._request(self.step)
                 continue
 
             advantages = group_advantages(fresh)
@@ -395,20 +466,22 @@ class Controller:
             aux = aux_shards(fresh, pairs, self.collator, world, cfg.loss.sdpo.max_traces_per_step)
             replay_pairs = len(self.pairs)
             self.pairs = []
-            train_start = time.perf_counter()
+            train_start, train_wall = time.perf_counter(), time.time()
             metrics = self.trainers.train_step.call(rl.shards, aux.shards, rl.tokens).get().item(rank=0)
             train_seconds = time.perf_counter() - train_start
+            self.timeline.append(_span("trainer", train_wall, time.time(), self.step))
             self.step += 1
             lost = None
             try:
-                timings = {"time/weight_sync": self._push_weights(self.step)}
+                publish_wall = time.time()
+                timings = {"time/weight_sync": self._publish(self.step)}
+                self.timeline.append(_span("weights", publish_wall, time.time(), self.step - 1))
                 teacher_stats = self._teacher_round(fresh)
             except HostLost as exc:  # record the step trained before stopping, so resume has no gap
                 lost, timings, teacher_stats = exc, {}, {}
-            if level == 0 and self.step < cfg.max_steps:
-                pending.append(self._request())
 
-            sampled = sum(sum(r.loss_mask) for r in fresh)
+            sampled = [v for r in fresh for v in r.versions]
+            gen_seconds = max(g.finished for g in request.groups) - min(g.started for g in request.groups)
             record = {
                 "step": self.step - 1,
                 "policy_version": self.step,
@@ -417,17 +490,19 @@ class Controller:
                 "dropped_stale": self.dropped_stale,
                 "lost_rollouts": self.lost_rollouts,
                 "generator/respawns": self.generators.replaced,
-                "staleness": sum(self.step - 1 - r.version for r in fresh) / max(1, len(fresh)),
+                "staleness": sum(self.step - 1 - v for v in sampled) / max(1, len(sampled)),
+                "staleness/max": max(self.step - 1 - v for v in sampled),
                 "tool_errors": sum(r.tool_errors for r in fresh),
                 "replay_pairs": replay_pairs,
                 "truncated": rl.truncated,
                 **{k: v for k, v in metrics.items()},
                 **{f"collate/{k}": v for k, v in asdict(aux.stats).items()},
                 **teacher_stats,
-                "rollout_tokens_per_s": sampled / max(gen_seconds, 1e-9),
+                "rollout_tokens_per_s": len(sampled) / max(gen_seconds, 1e-9),
                 "train_tokens_per_s": rl.tokens / max(train_seconds, 1e-9),
                 "time/step": time.perf_counter() - step_start,
                 "time/generate": gen_seconds,
+                "time/wait_rollouts": waited,
                 "time/train": train_seconds,
                 **timings,
             }
@@ -437,8 +512,13 @@ class Controller:
                 raise lost
             if self.step % cfg.ckpt.interval == 0 or self.step == cfg.max_steps:
                 self.save()
-        while pending:  # rollouts requested past the last step
-            self._collect(pending.popleft().requests)
+            self.run.append_timeline({"step": self.step - 1, "spans": self.timeline})
+
+
+def _span(lane: str, start: float, end: float, step: int) -> dict[str, Any]:
+    """One bar of the timeline figure: a lane (generator r, trainer, weights, teacher r,
+    checkpoint), wall-clock start and end, and the step it served."""
+    return {"lane": lane, "start": start, "end": end, "step": step}
 
 
 def _rng_state(rng: random.Random) -> list[Any]:

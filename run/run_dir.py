@@ -24,7 +24,15 @@ from pathlib import Path
 from typing import Any
 
 COMPLETE = "COMPLETE"
-RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "plots", "final", "tiny_model", "topology.json")  # `overwrite` clears
+RUN_OUTPUTS = (
+    "checkpoints",
+    "metrics.jsonl",
+    "timeline.jsonl",
+    "plots",
+    "final",
+    "tiny_model",
+    "topology.json",
+)  # `overwrite` clears
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -58,6 +66,7 @@ class RunDir:
         self.root = Path(root)
         self.checkpoints = self.root / "checkpoints"
         self.metrics_path = self.root / "metrics.jsonl"
+        self.timeline_path = self.root / "timeline.jsonl"
         self.root.mkdir(parents=True, exist_ok=True)
 
     # ------------------------------------------------------------------ a run already here
@@ -84,26 +93,23 @@ class RunDir:
     # ------------------------------------------------------------------ metrics
 
     def read_metrics(self) -> list[dict[str, Any]]:
-        if not self.metrics_path.exists():
-            return []
-        records = []
-        for line in self.metrics_path.read_text().splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                break  # a line cut by a kill: everything after it is unsaved
-        return records
+        return _read_jsonl(self.metrics_path)
+
+    def read_timeline(self) -> list[dict[str, Any]]:
+        """Per step: when each part of it ran, on which lane (`Controller.train` writes it)."""
+        return _read_jsonl(self.timeline_path)
 
     def keep_metrics_before(self, step: int) -> None:
         """On resume: exactly the records of the steps the checkpoint covers survive."""
-        kept = [r for r in self.read_metrics() if r["step"] < step]
-        write_atomic(self.metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
+        for path in (self.metrics_path, self.timeline_path):
+            kept = [r for r in _read_jsonl(path) if r["step"] < step]
+            write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def append_metrics(self, record: dict[str, Any]) -> None:
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        _append_jsonl(self.metrics_path, record)
+
+    def append_timeline(self, record: dict[str, Any]) -> None:
+        _append_jsonl(self.timeline_path, record)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -158,3 +164,22 @@ class RunDir:
 
     def write_topology(self, actors: list[dict[str, Any]]) -> None:
         write_atomic(self.root / "topology.json", json.dumps({"actors": actors}, indent=2))
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a line cut by a kill: everything after it is unsaved
+    return records
+
+
+def _append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())

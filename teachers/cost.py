@@ -6,10 +6,14 @@ import threading
 
 
 class CostMeter:
-    """USD spent by all paid teachers together, so they stop as one at the run's ceiling."""
+    """USD spent by all paid teachers together, so they stop as one at the run's ceiling.
+
+    `elsewhere_usd` is what other meters of the run (other teacher actors) spent: the ceiling
+    counts it too."""
 
     def __init__(self, ceiling_usd: float) -> None:
         self.ceiling_usd = ceiling_usd
+        self.elsewhere_usd = 0.0
         self._spent = 0.0
         self._lock = threading.Lock()
 
@@ -18,7 +22,7 @@ class CostMeter:
         return self._spent
 
     def exhausted(self) -> bool:
-        return self._spent >= self.ceiling_usd
+        return self._spent + self.elsewhere_usd >= self.ceiling_usd
 
     def charge(self, usd: float) -> None:
         with self._lock:

@@ -286,8 +286,9 @@ def test_the_ceiling_is_shared_and_stops_paid_teachers_without_a_request(endpoin
     assert meter.spent_usd == pytest.approx(0.012)
 
 
-def test_a_new_teacher_actor_counts_the_runs_earlier_spend_against_the_ceiling(endpoint, tmp_path):
-    """A resumed run or a respawned teacher actor starts from what the run spent, not from 0."""
+def test_a_teacher_actor_counts_the_runs_other_spend_against_the_ceiling(endpoint, tmp_path):
+    """Other teacher actors, a replaced one, the run before a resume: the controller passes what
+    they spent with every round, and the ceiling counts it."""
     member = {"backend": "openai", "name": "gpt", "base_url": endpoint.base_url, "model": "m",
               "api_key_env": KEY_ENV, "usd_per_mtok_in": 2.0, "usd_per_mtok_out": 8.0}  # fmt: skip
     config = load_config(["--teachers.members", json.dumps([member]), "--teachers.min_agree", "1",
@@ -295,8 +296,7 @@ def test_a_new_teacher_actor_counts_the_runs_earlier_spend_against_the_ceiling(e
     procs = this_host().spawn_procs(per_host={"procs": 1})
     try:
         actor = procs.spawn("teacher", TeacherActor, config, "unused", str(tmp_path / "cache.jsonl"))
-        actor.carry_spend.call_one(0.012).get()  # spent before this actor started
-        answers = actor.replay.call_one([STATE], [{}]).get()
+        answers = actor.replay.call_one([STATE], [{}], 0.012).get()  # spent elsewhere in the run
     finally:
         procs.stop().get()
     assert answers.actions == [{"gpt": None}]

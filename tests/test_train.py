@@ -62,7 +62,8 @@ def test_short_run_through_real_meshes(tmp_path):
             assert key in r, key
     assert any(r.get("loss/rl", 0) != 0 for r in metrics)  # graded rewards give non-zero advantages
     assert any(r.get("loss/replay", 0) != 0 for r in metrics)  # the oracle teachers' pairs arrive a step later
-    assert metrics[1]["staleness"] == 1.0  # max_async_level 1: step n trains on policy n-1's rollouts
+    # max_async_level 1: step n trains on tokens of policy n-1 (or n, where its weights landed mid-episode)
+    assert all(r["staleness/max"] <= 1 for r in metrics) and 0 < metrics[1]["staleness"] <= 1
 
     actors = json.loads((out / "topology.json").read_text())["actors"]
     roles = sorted((a["role"], a["rank"]) for a in actors)

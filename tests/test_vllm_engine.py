@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from meshrl.inference.completion import Completion
-from meshrl.inference.vllm_engine import from_request_output, request_seeds, to_prompt_inputs, to_sampling_kwargs
+from meshrl.inference.completion import Completion, request_seeds
+from meshrl.inference.vllm_engine import from_request_output, to_prompt_inputs, to_sampling_kwargs
 
 
 # Shapes of vllm.logprobs.Logprob, vllm.outputs.CompletionOutput and vllm.outputs.RequestOutput (fields we read).

@@ -1,0 +1,317 @@
+"""Per-episode scheduling: every episode advances on its own, on one engine.
+
+Two threads serve a generator. The engine thread owns the model: it starts the turns
+episodes ask for (prefilling only what an episode's KV cache lacks), advances all running
+turns one token per forward (`DecodeBatch`), and swaps in new weights between two decode
+steps, so a turn may span policy versions (each token records its own). The episode
+thread runs an asyncio loop with one coroutine per episode: it awaits its turn, runs the
+turn's tool calls in a thread pool (concurrently with other episodes' calls and with
+decoding), and asks for the next turn. A finished episode frees its slot at once for the
+next queued one. Finished groups (all samples of a prompt) wait in an outbox for `take`.
+
+Caps: `max_episodes` episodes run at once; `max_tokens` bounds the KV tokens held (running
+turns count their prompt plus `max_new_tokens`, idle episodes between turns their cache).
+A turn that does not fit first evicts idle caches (those episodes prefill again later),
+then waits for running turns to end; one that cannot fit alone is an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections import OrderedDict, deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from meshrl.inference.completion import Completion, request_seeds
+from meshrl.rollouts.episodes import EpisodeFormat, Rollout
+from meshrl.tasks.base import Prompt
+
+
+@dataclass
+class GroupRequest:
+    """One prompt to sample `samples` episodes of; `key` names it for the controller."""
+
+    key: str
+    prompt: Prompt
+    samples: int
+    seed: int
+    min_version: int = 0  # its episodes start once the engine runs this policy version or a newer one
+
+
+@dataclass
+class FinishedGroup:
+    """A group's rollouts (scored) and when its first episode started and its last ended (time.time())."""
+
+    key: str
+    rollouts: list[Rollout]
+    started: float
+    finished: float
+
+
+@dataclass
+class Sampling:
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since the scheduler started."""
+
+    episodes: int = 0
+    turns: int = 0
+    sampled_tokens: int = 0
+    prefilled_tokens: int = 0  # ids fed to the model outside decode steps
+    evictions: int = 0  # idle caches dropped to fit a turn
+    weight_updates: int = 0
+    tool_calls: int = 0
+    max_running_tools: int = 0
+
+
+@dataclass
+class _Turn:
+    seq: Any  # the engine's Sequence
+    future: asyncio.Future[Completion]
+    need: int  # KV tokens the turn may hold
+    queued: float = field(default_factory=time.perf_counter)
+
+
+class EpisodeScheduler:
+    """Runs submitted groups' episodes, each on its own, and hands back finished groups."""
+
+    def __init__(
+        self,
+        engine: Any,
+        episodes: EpisodeFormat,
+        sampling: Sampling,
+        *,
+        max_episodes: int,
+        max_tokens: int,
+    ) -> None:
+        self.engine, self.format, self.sampling = engine, episodes, sampling
+        self.max_episodes, self.max_tokens = max_episodes, max_tokens
+        self.stats = SchedulerStats()
+        self.error: BaseException | None = None
+        self.outbox: queue.Queue[FinishedGroup] = queue.Queue()
+        self._tools = ThreadPoolExecutor(max_workers=max_episodes, thread_name_prefix="tools")
+        self._running_tools = 0
+        # engine thread state, guarded by _cond
+        self._cond = threading.Condition()
+        self._waiting: deque[_Turn] = deque()
+        self._releases: list[Any] = []
+        self._staged: tuple[dict[str, torch.Tensor], int, threading.Event] | None = None
+        self._idle: OrderedDict[int, Any] = OrderedDict()  # id(seq) -> seq, least recently used first
+        self._running: dict[int, _Turn] = {}
+        self._closed = False
+        self.loop = asyncio.new_event_loop()
+        self._slots = asyncio.Semaphore(max_episodes)
+        self._threads = [
+            threading.Thread(target=self.loop.run_forever, name="episodes", daemon=True),
+            threading.Thread(target=self._engine_loop, name="engine", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    # ------------------------------------------------------------------ from other threads
+
+    def submit(self, requests: list[GroupRequest]) -> None:
+        """Queue groups; their episodes start in order as slots free up."""
+        for request in requests:
+            asyncio.run_coroutine_threadsafe(self._group(request), self.loop)
+
+    def take(self, wait_s: float) -> list[FinishedGroup]:
+        """The finished groups: waits up to `wait_s` for the first, then takes whatever else is there."""
+        self._raise()
+        try:
+            groups = [self.outbox.get(timeout=wait_s)]
+        except queue.Empty:
+            self._raise()
+            return []
+        while True:
+            try:
+                groups.append(self.outbox.get_nowait())
+            except queue.Empty:
+                return groups
+
+    def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> threading.Event:
+        """Stage a policy version; the engine loads it between two decode steps (a newer one
+        staged before that replaces it). Returns at once, with an event set once it is loaded
+        (or replaced by a newer one)."""
+        loaded = threading.Event()
+        with self._cond:
+            if self._staged is not None:
+                self._staged[2].set()
+            self._staged = (weights, version, loaded)
+            self._cond.notify()
+        return loaded
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        for thread in self._threads:
+            thread.join(timeout=10)
+        self._tools.shutdown(wait=False, cancel_futures=True)
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(
+                f"the episode scheduler failed: {type(self.error).__name__}: {self.error}"
+            ) from self.error
+
+    # ------------------------------------------------------------------ episode thread (asyncio)
+
+    async def _group(self, request: GroupRequest) -> None:
+        try:
+            while self.engine.version < request.min_version:
+                await asyncio.sleep(0.002)
+            seeds = request_seeds(request.seed, request.samples)
+            started = time.time()
+            rollouts = await asyncio.gather(*(self._episode(request.prompt, seed) for seed in seeds))
+            self.outbox.put(FinishedGroup(request.key, list(rollouts), started, time.time()))
+        except BaseException as exc:  # noqa: BLE001 - a task or engine error fails the generator, loudly
+            self._fail(exc)
+
+    async def _episode(self, prompt: Prompt, seed: int | None) -> Rollout:
+        async with self._slots:
+            rollout = self.format.start(prompt)
+            seq = self.engine.sequence(rollout.token_ids, seed)
+            try:
+                while True:
+                    completion = await self._turn(seq)
+                    calls = self.format.add_turn(rollout, completion)
+                    if calls:
+                        results = await asyncio.gather(*(self._tool(rollout, call) for call in calls))
+                        seq.extend(self.format.add_tool_results(rollout, calls, list(results)))
+                    if not self.format.goes_on(rollout, calls):
+                        break
+            finally:
+                self._release(seq)
+            await self.loop.run_in_executor(self._tools, self.format.score, rollout)
+            self.stats.episodes += 1
+            return rollout
+
+    async def _tool(self, rollout: Rollout, call: dict[str, Any]) -> Any:
+        self._running_tools += 1
+        self.stats.tool_calls += 1
+        self.stats.max_running_tools = max(self.stats.max_running_tools, self._running_tools)
+        try:
+            return await self.loop.run_in_executor(self._tools, self.format.call_tool, rollout, call)
+        finally:
+            self._running_tools -= 1
+
+    async def _turn(self, seq: Any) -> Completion:
+        future: asyncio.Future[Completion] = self.loop.create_future()
+        need = len(seq.ids) + self.sampling.max_new_tokens
+        if need > self.max_tokens:
+            raise ValueError(
+                f"an episode of {len(seq.ids)} tokens plus generator.max_new_tokens {self.sampling.max_new_tokens} "
+                f"does not fit generator.max_concurrent_tokens {self.max_tokens}"
+            )
+        with self._cond:
+            self._waiting.append(_Turn(seq, future, need))
+            self._cond.notify()
+        return await future
+
+    def _release(self, seq: Any) -> None:
+        with self._cond:
+            self._releases.append(seq)
+            self._cond.notify()
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _engine_loop(self) -> None:
+        batch = self.engine.batch()
+        try:
+            while True:
+                with self._cond:
+                    while not (self._closed or self._waiting or self._releases or self._staged or len(batch)):
+                        self._cond.wait()
+                    if self._closed:
+                        return
+                    staged, self._staged = self._staged, None
+                    releases, self._releases = self._releases, []
+                    admitted = self._admit(batch)
+                for seq in releases:
+                    self._idle.pop(id(seq), None)
+                    seq.release()
+                if staged is not None:
+                    weights, version, loaded = staged
+                    self.engine.load_weights(weights, version)
+                    loaded.set()
+                    self.stats.weight_updates += 1
+                for turn in admitted:
+                    self._start(turn, batch)
+                if len(batch):
+                    self.stats.sampled_tokens += len(batch)
+                    for seq in batch.step():
+                        self._end(self._running.pop(id(seq)))
+        except BaseException as exc:  # noqa: BLE001 - surfaced by take() and by every waiting episode
+            self._fail(exc)
+            for turn in [*self._running.values(), *self._waiting]:
+                self.loop.call_soon_threadsafe(_set_exception, turn.future, exc)
+
+    def _held(self) -> int:
+        return sum(t.need for t in self._running.values()) + sum(seq.cached for seq in self._idle.values())
+
+    def _admit(self, batch: Any) -> list[_Turn]:
+        """Waiting turns that fit the token cap, oldest first; idle caches are evicted to make room."""
+        admitted = []
+        while self._waiting:
+            turn = self._waiting[0]
+            idle = self._idle.pop(id(turn.seq), None)
+            held = self._held()
+            while held + turn.need > self.max_tokens and self._idle:
+                _, evicted = self._idle.popitem(last=False)
+                held -= evicted.cached
+                evicted.release()
+                self.stats.evictions += 1
+            if held + turn.need > self.max_tokens:
+                if idle is not None:
+                    self._idle[id(turn.seq)] = idle
+                break
+            self._waiting.popleft()
+            self._running[id(turn.seq)] = turn
+            admitted.append(turn)
+        return admitted
+
+    def _start(self, turn: _Turn, batch: Any) -> None:
+        s = self.sampling
+        seq = turn.seq
+        self.stats.prefilled_tokens += len(seq.ids) - seq.cached
+        going = self.engine.begin_turn(
+            seq, temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens,
+            stop_token_ids=self.format.stop_ids,
+        )  # fmt: skip
+        self.stats.sampled_tokens += 1
+        if going:
+            batch.add(seq)
+        else:
+            self._end(self._running.pop(id(seq)))
+
+    def _end(self, turn: _Turn) -> None:
+        self._idle[id(turn.seq)] = turn.seq
+        self.stats.turns += 1
+        self.loop.call_soon_threadsafe(_set_result, turn.future, turn.seq.turn)
+
+
+def _set_result(future: asyncio.Future[Completion], value: Completion) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future[Completion], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)
