@@ -1,0 +1,238 @@
+"""EpisodeScheduler on the real tiny model: KV reuse across turns, weights swapped mid-turn,
+slots refilled at once, concurrent tool calls, the token cap, version gating, staleness drops.
+
+The multi-turn tests use a tiny model warm-started on PollTask's demonstrations (it calls the
+tool turn after turn), built once per session; nothing here is timed.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from meshrl.configs import load_config
+from meshrl.inference.hf_engine import HFEngine
+from meshrl.models.tiny import build_model, ensure_tiny
+from meshrl.rollouts.advantages import group_advantages
+from meshrl.rollouts.batches import rl_shards
+from meshrl.rollouts.episodes import EpisodeFormat, Rollout, fresh_rollouts
+from meshrl.rollouts.scheduler import EpisodeScheduler, FinishedGroup, GroupRequest, Sampling
+from meshrl.tasks.base import Prompt, ToolResult
+from meshrl.tasks.poll import PollTask
+from meshrl.traces.collator import TraceCollator
+from meshrl.trainer.core import TrainerCore
+
+
+@pytest.fixture(scope="session")
+def poll_model(tmp_path_factory) -> str:
+    """The tiny model after 60 SFT steps on PollTask demonstrations."""
+    root = tmp_path_factory.mktemp("poll")
+    base = ensure_tiny(root / "base")
+    core = TrainerCore(load_config(["--trainer.lr", "3e-3"]), str(base))
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    collator = TraceCollator(tokenizer)
+    demos = PollTask(1, 6).demonstrations(random.Random(0), 60 * 32)
+    for i in range(60):
+        core.sft_step(collator(demos[i * 32 : (i + 1) * 32]).batch)
+    core.model.save_pretrained(root / "sft")
+    tokenizer.save_pretrained(root / "sft")
+    return str(root / "sft")
+
+
+def scheduler(path: str, task, *, max_new_tokens: int = 40, max_episodes: int = 16, max_tokens: int = 100_000):
+    engine = HFEngine.from_pretrained(path)
+    episodes = EpisodeFormat(AutoTokenizer.from_pretrained(path), task)
+    return EpisodeScheduler(engine, episodes, Sampling(1.0, 1.0, max_new_tokens), max_episodes=max_episodes,
+                            max_tokens=max_tokens)  # fmt: skip
+
+
+def run_groups(sched: EpisodeScheduler, requests: list[GroupRequest], timeout_s: float = 120) -> list[FinishedGroup]:
+    sched.submit(requests)
+    done: list[FinishedGroup] = []
+    deadline = time.monotonic() + timeout_s
+    while len(done) < len(requests):
+        assert time.monotonic() < deadline, "groups did not finish"
+        done += sched.take(0.5)
+    return done
+
+
+def full_forward_logprobs(model, rollout: Rollout, upto: int | None = None) -> torch.Tensor:
+    """Logprobs of the rollout's sampled tokens (before `upto`) from one forward over its ids."""
+    ids = torch.tensor([rollout.token_ids[:upto]])
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+    picked = logprobs.gather(-1, ids[0, 1:, None]).squeeze(-1)
+    mask = torch.tensor(rollout.loss_mask[1 : len(ids[0])])
+    return picked[mask]
+
+
+@pytest.fixture(scope="module")
+def multi_turn(poll_model):
+    """One shared run: 6 prompts x 2 samples of PollTask on the warm-started model."""
+    task = PollTask(1, 6)
+    sched = scheduler(poll_model, task)
+    try:
+        prompts = task.sample_prompts(random.Random(1), 6)
+        groups = run_groups(sched, [GroupRequest(f"g{i}", p, 2, seed=i) for i, p in enumerate(prompts)])
+    finally:
+        sched.close()
+    return groups, sched.stats
+
+
+def test_turns_prefill_only_new_ids_and_logprobs_match_a_full_forward(poll_model, multi_turn):
+    groups, stats = multi_turn
+    rollouts = [r for g in groups for r in g.rollouts]
+    assert sorted(g.key for g in groups) == [f"g{i}" for i in range(6)]
+    assert max(r.turns for r in rollouts) >= 3, "the warm-started model should poll several times"
+    model = AutoModelForCausalLM.from_pretrained(poll_model)
+    for r in rollouts:
+        assert len(r.token_ids) == len(r.loss_mask) == len(r.logprobs)
+        assert len(r.versions) == sum(r.loss_mask) and set(r.versions) == {0}
+        recorded = torch.tensor([lp for lp, m in zip(r.logprobs, r.loss_mask) if m])
+        torch.testing.assert_close(full_forward_logprobs(model, r), recorded, atol=2e-4, rtol=0)
+    # Each turn prefills only what its cache lacks: the prompt, then per later turn the last
+    # sampled token and the tool turn. Re-prefilling every turn from scratch would feed far more.
+    unsampled = sum(len(r.token_ids) - sum(r.loss_mask) for r in rollouts)
+    assert stats.prefilled_tokens <= unsampled + sum(r.turns for r in rollouts)
+    from_scratch = 0
+    for r in rollouts:
+        turn_starts = [i for i in range(1, len(r.token_ids)) if r.loss_mask[i] and not r.loss_mask[i - 1]]
+        from_scratch += sum(turn_starts)
+    assert stats.prefilled_tokens < from_scratch / 2
+
+
+def test_tool_calls_of_different_episodes_run_concurrently(poll_model, multi_turn):
+    groups, stats = multi_turn
+    assert stats.tool_calls >= 12
+    assert stats.max_running_tools >= 4  # 12 episodes were polling at once, not one after another
+
+
+def test_a_weight_update_lands_mid_turn_and_each_token_keeps_its_own_logprob(tmp_path):
+    """Long single turns of the untrained model; version 1 is staged while they decode."""
+    path = ensure_tiny(tmp_path / "tiny")
+    task = PollTask()
+    sched = scheduler(str(path), task, max_new_tokens=150)
+    new = build_model(load_config([]).model.tiny, AutoTokenizer.from_pretrained(path), seed=1).state_dict()
+    try:
+        sched.submit([GroupRequest("g", task.sample_prompts(random.Random(0), 1)[0], 4, seed=3)])
+        while sched.stats.sampled_tokens < 40:
+            time.sleep(0.001)
+        sched.load_weights(new, version=1).wait(timeout=30)
+        (group,) = sched.take(60.0)
+    finally:
+        sched.close()
+    old_model = AutoModelForCausalLM.from_pretrained(path)
+    spanning = [r for r in group.rollouts if set(r.versions) == {0, 1}]
+    assert spanning, "no turn was decoding when the weights changed"
+    for r in spanning:
+        assert r.versions == sorted(r.versions)  # the switch happened once, mid-turn
+        recorded = [lp for lp, m in zip(r.logprobs, r.loss_mask) if m]
+        first_new = r.versions.index(1)
+        sampled_at = [i for i, m in enumerate(r.loss_mask) if m]
+        before = full_forward_logprobs(old_model, r, upto=sampled_at[first_new])
+        torch.testing.assert_close(before, torch.tensor(recorded[:first_new]), atol=2e-4, rtol=0)
+        after = full_forward_logprobs(old_model, r)[first_new:]
+        assert not torch.allclose(after, torch.tensor(recorded[first_new:]), atol=1e-2)  # v1 sampled these
+    # The trainer gets each token's own behaviour logprob, whichever version sampled it.
+    rollouts = group.rollouts
+    for r, a in zip(rollouts, [1.0, -1.0, 0.5, -0.5]):
+        r.reward = a
+    shards = rl_shards(rollouts, group_advantages(rollouts), 4096, 0, 1)
+    batch_logprobs = torch.cat([torch.as_tensor(mb["inference_logprobs"])[torch.as_tensor(mb["loss_mask"])]
+                                for mb in shards.shards[0]])  # fmt: skip
+    expected = sorted(lp for r in rollouts for lp, m in zip(r.logprobs, r.loss_mask) if m)
+    assert sorted(batch_logprobs.tolist()) == pytest.approx(expected, abs=1e-6)
+
+
+class GatedPollTask(PollTask):
+    """PollTask whose prompt "gated" holds its tool calls until the test opens the gate."""
+
+    def __init__(self) -> None:
+        super().__init__(1, 2)
+        self.gate = threading.Event()
+        self.calls: list[str] = []
+
+    def call_tool(self, prompt: Prompt, name: str, arguments: dict) -> ToolResult:
+        self.calls.append(prompt.prompt_id)
+        if prompt.prompt_id == "gated":
+            assert self.gate.wait(timeout=60)
+        return super().call_tool(prompt, name, arguments)
+
+
+def test_a_finished_episodes_slot_is_refilled_while_another_continues(poll_model):
+    task = GatedPollTask()
+    prompts = task.sample_prompts(random.Random(2), 4)
+    prompts[0].prompt_id = "gated"
+    sched = scheduler(poll_model, task, max_episodes=2)
+    try:
+        sched.submit([GroupRequest(p.prompt_id, p, 1, seed=i) for i, p in enumerate(prompts)])
+        done: list[FinishedGroup] = []
+        deadline = time.monotonic() + 60
+        while len(done) < 3:  # with 2 slots and one of them held at the gate
+            assert time.monotonic() < deadline, f"only {len(done)} of 3 groups finished beside the gated one"
+            done += sched.take(0.5)
+        assert "gated" in task.calls  # the gated episode is mid-episode, in its tool call
+        task.gate.set()
+        done += sched.take(60.0)
+    finally:
+        task.gate.set()
+        sched.close()
+    assert [g.key for g in done][:3] == [p.prompt_id for p in prompts[1:]]
+    assert done[-1].key == "gated"
+
+
+def test_the_token_cap_evicts_idle_caches_and_refuses_an_episode_that_cannot_fit(poll_model):
+    task = PollTask(3, 5)
+    prompts = task.sample_prompts(random.Random(3), 4)
+    sched = scheduler(poll_model, task, max_tokens=400)  # about 1.5 episodes at their longest
+    try:
+        groups = run_groups(sched, [GroupRequest(f"g{i}", p, 2, seed=i) for i, p in enumerate(prompts)])
+    finally:
+        sched.close()
+    assert sched.stats.evictions > 0
+    model = AutoModelForCausalLM.from_pretrained(poll_model)
+    for r in (r for g in groups for r in g.rollouts):  # evicted episodes prefilled again, same numbers
+        recorded = torch.tensor([lp for lp, m in zip(r.logprobs, r.loss_mask) if m])
+        torch.testing.assert_close(full_forward_logprobs(model, r), recorded, atol=2e-4, rtol=0)
+
+    tight = scheduler(poll_model, task, max_tokens=45)
+    try:
+        tight.submit([GroupRequest("g", prompts[0], 1, seed=0)])
+        with pytest.raises(RuntimeError, match="does not fit generator.max_concurrent_tokens 45"):
+            for _ in range(100):
+                tight.take(0.5)
+    finally:
+        tight.close()
+
+
+def test_a_group_waits_for_the_policy_version_it_needs(tmp_path):
+    path = ensure_tiny(tmp_path / "tiny")
+    task = PollTask()
+    sched = scheduler(str(path), task, max_new_tokens=8)
+    try:
+        prompt = task.sample_prompts(random.Random(0), 1)[0]
+        sched.submit([GroupRequest("g", prompt, 2, seed=0, min_version=1)])
+        assert sched.take(0.5) == [] and sched.stats.turns == 0
+        weights = AutoModelForCausalLM.from_pretrained(path).state_dict()
+        sched.load_weights(weights, version=1)
+        (group,) = sched.take(30.0)
+    finally:
+        sched.close()
+    assert all(set(r.versions) == {1} for r in group.rollouts)
+
+
+def test_staleness_drops_by_the_oldest_token():
+    prompt = Prompt("p", [])
+
+    def rollout(versions: list[int]) -> Rollout:
+        return Rollout(prompt, [], [1] * len(versions), [True] * len(versions), [0.0] * len(versions), versions)
+
+    spanning, fresh, old = rollout([3, 4, 6]), rollout([5, 6]), rollout([2, 2])
+    assert spanning.version == 3
+    assert fresh_rollouts([spanning, fresh, old], step=6, max_off_policy_steps=2) == [fresh]
+    assert fresh_rollouts([spanning, fresh, old], step=6, max_off_policy_steps=3) == [spanning, fresh]
