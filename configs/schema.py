@@ -347,6 +347,11 @@ class TeachersConfig(Section):
     min_agree: int = Field(2, ge=1, description="k: teachers that must agree on an action to mine a pair.")
     usd_ceiling: float = Field(10.0, ge=0, description="Stop calling paid endpoints past this spend.")
     states_per_step: int = Field(8, ge=1, description="Trace states sent to the teachers per step.")
+    max_concurrent_requests: int = Field(
+        8,
+        ge=1,
+        description="Teacher requests (state, teacher) in flight at once; up to this many may overshoot usd_ceiling.",
+    )
     wait_s: float = Field(
         5.0, ge=0, description="Seconds a step waits for the teachers' answers; later ones are mined a step later."
     )
