@@ -11,7 +11,7 @@ from meshrl.configs.schema import RunConfig
 from meshrl.teachers.base import Message
 from meshrl.teachers.cache import TeacherCache
 from meshrl.teachers.cost import CostMeter
-from meshrl.teachers.replay import make_teachers, replay_state, teacher_totals
+from meshrl.teachers.replay import make_teachers, replay_states, teacher_totals
 from meshrl.topology.devices import proc_device
 from meshrl.topology.worker import process_info
 
@@ -31,6 +31,7 @@ class TeacherActor(Actor):
         self.meter = CostMeter(config.teachers.usd_ceiling)
         self.teachers = make_teachers(config, self.meter, str(proc_device(config.topology, "teacher", self.rank)))
         self.cache = TeacherCache(cache_path)
+        self.max_concurrent = config.teachers.max_concurrent_requests
 
     @endpoint
     def info(self) -> dict[str, Any]:
@@ -44,5 +45,5 @@ class TeacherActor(Actor):
         `spent_elsewhere`: the USD the run's other teacher actors (and earlier ones: replaced,
         before a resume) spent, as the controller last heard; the ceiling counts it."""
         self.meter.elsewhere_usd = spent_elsewhere
-        actions = [replay_state(self.teachers, self.cache, s, c) for s, c in zip(states, contexts)]
+        actions = replay_states(self.teachers, self.cache, states, contexts, self.max_concurrent)
         return TeacherAnswers(actions, teacher_totals(self.teachers))

@@ -365,6 +365,12 @@ class TeachersConfig(Section):
     min_agree: int = Field(2, ge=1, description="k: teachers that must agree on an action to mine a pair.")
     usd_ceiling: float = Field(10.0, ge=0, description="Stop calling paid endpoints past this spend.")
     states_per_step: int = Field(8, ge=1, description="Trace states sent to the teachers per step.")
+    max_concurrent_requests: int = Field(
+        8,
+        ge=1,
+        description="Teacher requests (state, teacher) in flight at once per teacher actor; up to this many may "
+        "overshoot usd_ceiling.",
+    )
 
     @model_validator(mode="after")
     def _enough_teachers_to_agree(self) -> TeachersConfig:

@@ -10,8 +10,9 @@ or None when it could not. An action is an assistant message in the task protoco
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
 Message = dict[str, Any]
@@ -20,13 +21,29 @@ Message = dict[str, Any]
 @dataclass
 class TeacherStats:
     """One teacher's counters. `calls` are answers asked of the backend (cache misses within
-    budget); `failures` are calls that gave no action, exceptions included."""
+    budget); `failures` are calls that gave no action, exceptions included.
+
+    Replay asks one teacher about several states at once, so counters change only through
+    `add`, under a lock (`+=` on an attribute is a read and a write another thread can split).
+    """
 
     calls: int = 0
     cache_hits: int = 0
     failures: int = 0
     skipped_budget: int = 0
     usd_spent: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+
+    def add(self, **counts: float) -> None:
+        """Add to the named counters, e.g. `add(calls=1)`."""
+        with self._lock:
+            for name, value in counts.items():
+                setattr(self, name, getattr(self, name) + value)
+
+    def counters(self) -> dict[str, float]:
+        """A consistent snapshot of every counter."""
+        with self._lock:
+            return {f.name: float(getattr(self, f.name)) for f in fields(self) if f.init}  # not the lock
 
 
 class Teacher(Protocol):

@@ -28,7 +28,7 @@ class TeacherCache:
     Each put is flushed and fsynced, so a crash loses at most the line being written; loading
     drops such a partial last line (and cuts it from the file, so the next append starts on a
     line of its own). A corrupt line elsewhere is not a crash's trace and raises. One writer
-    per file.
+    per file (one process; its threads may share the cache).
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -61,10 +61,13 @@ class TeacherCache:
                 raise ValueError(f"{self.path}:{number}: corrupt cache line ({error})") from error
 
     def get(self, key: str) -> Message | None:
+        """A copy of the cached action. Needs no lock: a dict lookup is atomic and a stored
+        action is never changed (`put` stores a fresh copy)."""
         action = self._actions.get(key)
         return copy.deepcopy(action) if action is not None else None
 
     def put(self, key: str, action: Message) -> None:
+        """Append and fsync, under the lock so concurrent puts never interleave lines."""
         line = json.dumps({"key": key, "action": action}, ensure_ascii=False) + "\n"
         with self._lock:
             with self.path.open("ab") as f:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -18,21 +19,26 @@ log = logging.getLogger(__name__)
 
 class HFTeacher:
     """A local HF model; `generate_fn(messages) -> assistant message | None` is the engine the
-    teacher actor hosts. Exceptions from it are left to `replay_state`."""
+    teacher actor hosts. Exceptions from it are left to replay. It answers one state at a time,
+    however many replay asks at once: concurrent generations on one model would only compete
+    for its device and memory."""
 
     def __init__(self, cfg: HfTeacherConfig, generate_fn: Callable[[list[Message]], Message | None]) -> None:
         self.name = cfg.name
         self.identity = f"hf:{cfg.path}"
         self.stats = TeacherStats()
         self._generate = generate_fn
+        self._lock = threading.Lock()
 
     def act(self, state_messages: list[Message], context: dict[str, Any] | None = None) -> Message | None:
-        self.stats.calls += 1
+        self.stats.add(calls=1)
         try:
-            return parse_action(self._generate(chat_messages(state_messages)))
+            with self._lock:
+                answer = self._generate(chat_messages(state_messages))
+            return parse_action(answer)
         except ValueError as error:
             log.warning("teacher %s: unusable answer (%s)", self.name, error)
-            self.stats.failures += 1
+            self.stats.add(failures=1)
             return None
 
 

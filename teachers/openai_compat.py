@@ -6,12 +6,14 @@ logged, cached or counted.
 
 from __future__ import annotations
 
+import email.utils
 import json
 import logging
 import math
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -28,13 +30,31 @@ def _tokens(usage: Mapping[str, Any], field: str) -> int:
     return value if isinstance(value, int) and value > 0 else 0
 
 
+def retry_after_s(value: str | None, now: datetime | None = None) -> float | None:
+    """The wait a `Retry-After` header asks for (RFC 9110: delay seconds or an HTTP-date; a
+    date already past asks for none), or None when it is absent or unparseable."""
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except ValueError:
+            return None
+        when = when if when.tzinfo else when.replace(tzinfo=UTC)  # an HTTP-date is always GMT
+        return max(0.0, (when - (now or datetime.now(UTC))).total_seconds())
+    return seconds if 0 <= seconds < math.inf else None
+
+
 class OpenAITeacher:
     """A chat-completions endpoint answering greedily (temperature 0).
 
     Timeouts, connection errors, 429 and 5xx are retried `cfg.max_retries` times with
-    exponential backoff (`backoff_s`, doubling); other 4xx answers are final. A teacher with a
-    price is paid: once `meter` is exhausted it answers None without a request. Without a
-    meter there is no ceiling.
+    exponential backoff (`backoff_s`, doubling); a 429 or 503 with a `Retry-After` header waits
+    what it asks instead, at most `cfg.timeout_s` (rate limits clear on the server's clock, not
+    ours). Other 4xx answers are final. A teacher with a price is paid: once `meter` is
+    exhausted it answers None without a request. Without a meter there is no ceiling.
     """
 
     def __init__(
@@ -44,6 +64,7 @@ class OpenAITeacher:
         *,
         meter: CostMeter | None = None,
         backoff_s: float = 0.5,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         if cfg.api_key_env and cfg.api_key_env not in os.environ:
             raise ValueError(f"teacher {cfg.name!r}: env var {cfg.api_key_env} (its API key) is not set")
@@ -53,6 +74,7 @@ class OpenAITeacher:
         self.stats = TeacherStats()
         self.meter = meter or CostMeter(math.inf)
         self.backoff_s = backoff_s
+        self.sleep = sleep
         self._owns_client = client is None
         self._client = client or httpx.Client()
         self._url = cfg.base_url.rstrip("/") + "/chat/completions"
@@ -68,12 +90,12 @@ class OpenAITeacher:
 
     def act(self, state_messages: list[Message], context: dict[str, Any] | None = None) -> Message | None:
         if self._paid and self.meter.exhausted():
-            self.stats.skipped_budget += 1
+            self.stats.add(skipped_budget=1)
             return None
-        self.stats.calls += 1
+        self.stats.add(calls=1)
         response = self._post({"model": self.cfg.model, "messages": _wire(state_messages), "temperature": 0})
         if response is None or not response.is_success:
-            self.stats.failures += 1
+            self.stats.add(failures=1)
             return None
         try:
             body = response.json()
@@ -82,7 +104,7 @@ class OpenAITeacher:
             return parse_action(body["choices"][0]["message"])
         except (ValueError, LookupError, TypeError) as error:
             log.warning("teacher %s: unusable answer (%s: %s)", self.name, type(error).__name__, error)
-            self.stats.failures += 1
+            self.stats.add(failures=1)
             return None
 
     def _charge(self, usage: Mapping[str, Any]) -> None:
@@ -91,7 +113,7 @@ class OpenAITeacher:
             _tokens(usage, "prompt_tokens") * self.cfg.usd_per_mtok_in
             + _tokens(usage, "completion_tokens") * self.cfg.usd_per_mtok_out
         ) / 1e6
-        self.stats.usd_spent += usd
+        self.stats.add(usd_spent=usd)
         self.meter.charge(usd)
 
     def _headers(self) -> dict[str, str]:
@@ -99,26 +121,46 @@ class OpenAITeacher:
         return {"Authorization": f"Bearer {key}"} if key else {}
 
     def _post(self, payload: dict[str, Any]) -> httpx.Response | None:
-        """The final response, or None when every attempt failed in transport."""
+        """The final response, or None when every attempt failed in transport, 429 or 5xx."""
         attempts = self.cfg.max_retries + 1
-        for attempt in range(attempts):
-            if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+        for attempt in range(1, attempts + 1):
             try:
                 response = self._client.post(
                     self._url, json=payload, headers=self._headers(), timeout=self.cfg.timeout_s
                 )
             except httpx.TransportError as error:  # timeouts included
-                log.warning("teacher %s: %s (attempt %d/%d)", self.name, type(error).__name__, attempt + 1, attempts)
-                continue
-            status = response.status_code
-            if status == 429 or status >= 500:
-                log.warning("teacher %s: HTTP %d (attempt %d/%d)", self.name, status, attempt + 1, attempts)
-                continue
-            if not response.is_success:  # the body is not logged: auth errors may echo part of the key
-                log.warning("teacher %s: HTTP %d, not retried", self.name, status)
-            return response
+                log.warning("teacher %s: %s (attempt %d/%d)", self.name, type(error).__name__, attempt, attempts)
+                response = None
+            else:
+                status = response.status_code
+                if status != 429 and status < 500:
+                    if not response.is_success:  # the body is not logged: auth errors may echo part of the key
+                        log.warning("teacher %s: HTTP %d, not retried", self.name, status)
+                    return response
+                log.warning("teacher %s: HTTP %d (attempt %d/%d)", self.name, status, attempt, attempts)
+            if attempt < attempts:
+                self.sleep(self._wait_s(attempt, response))
         return None
+
+    def _wait_s(self, attempt: int, response: httpx.Response | None) -> float:
+        """Seconds to wait after failed `attempt` (1-based): a 429's or 503's `Retry-After`,
+        capped at `cfg.timeout_s`, else the exponential backoff."""
+        backoff = self.backoff_s * 2 ** (attempt - 1)
+        if response is None or response.status_code not in (429, 503):
+            return backoff
+        asked = retry_after_s(response.headers.get("Retry-After"))
+        if asked is None:
+            return backoff
+        if asked > self.cfg.timeout_s:
+            log.warning(
+                "teacher %s: HTTP %d asks to retry after %.1f s; waiting timeout_s = %.1f s instead",
+                self.name,
+                response.status_code,
+                asked,
+                self.cfg.timeout_s,
+            )
+            return self.cfg.timeout_s
+        return asked
 
 
 def _wire(messages: Sequence[Mapping[str, Any]]) -> list[Message]:

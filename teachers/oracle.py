@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 from meshrl.tasks.base import Demonstrating, Prompt
@@ -13,7 +14,8 @@ log = logging.getLogger(__name__)
 
 class OracleTeacher:
     """The task's own oracle. It needs the episode's Prompt (`context["prompt"]`), which the
-    cache key does not hold, so its answers are never cached (they are free anyway)."""
+    cache key does not hold, so its answers are never cached (they are free anyway). Tasks need
+    not be thread-safe, so it asks the oracle one state at a time."""
 
     identity = None
 
@@ -23,15 +25,18 @@ class OracleTeacher:
         self.name = name
         self.stats = TeacherStats()
         self._task = task
+        self._lock = threading.Lock()
 
     def act(self, state_messages: list[Message], context: dict[str, Any] | None = None) -> Message | None:
-        self.stats.calls += 1
+        self.stats.add(calls=1)
         prompt = (context or {}).get("prompt")
         try:
             if not isinstance(prompt, Prompt):
                 raise ValueError("no Prompt in context['prompt']")
-            return parse_action(self._task.oracle_action(prompt, chat_messages(state_messages)))
+            with self._lock:
+                answer = self._task.oracle_action(prompt, chat_messages(state_messages))
+            return parse_action(answer)
         except ValueError as error:
             log.warning("teacher %s: no answer (%s)", self.name, error)
-            self.stats.failures += 1
+            self.stats.add(failures=1)
             return None

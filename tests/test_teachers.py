@@ -9,6 +9,8 @@ import random
 import threading
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from email.utils import format_datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -25,9 +27,9 @@ from meshrl.teachers.base import TeacherStats, chat_messages
 from meshrl.teachers.cache import TeacherCache, cache_key
 from meshrl.teachers.cost import CostMeter
 from meshrl.teachers.hf import HFTeacher
-from meshrl.teachers.openai_compat import OpenAITeacher
+from meshrl.teachers.openai_compat import OpenAITeacher, retry_after_s
 from meshrl.teachers.oracle import OracleTeacher
-from meshrl.teachers.replay import replay_state
+from meshrl.teachers.replay import replay_states
 from meshrl.traces.schema import ToolCall, TraceExample, Turn
 
 SECRET = "sk-test-9f8e7d6c5b4a-never-leak"
@@ -58,11 +60,13 @@ def completion(message: dict[str, Any], prompt_tokens: int = 1000, completion_to
     return json.dumps({"choices": [{"index": 0, "message": message}], "usage": usage}).encode()
 
 
-# behaviour -> (status, body); "hang" answers nothing until the test ends.
+# behaviour -> (status, body); "hang" answers nothing until the test ends, "echo" answers with
+# the last message's content, and a behaviour ending in " retry-after=VALUE" sends that header.
 RESPONSES: dict[str, tuple[int, bytes]] = {
     "ok": (200, completion({"role": "assistant", "content": "Listing.", "tool_calls": [LS_CALL]})),
     "500": (500, b'{"error": "overloaded"}'),
     "429": (429, b'{"error": "rate limited"}'),
+    "503": (503, b'{"error": "unavailable"}'),
     "401": (401, json.dumps({"error": f"Incorrect API key provided: {SECRET}"}).encode()),
     "garbage": (200, b"<html>502 Bad Gateway</html>"),
     "no_choices": (200, json.dumps({"id": "x", "choices": []}).encode()),
@@ -72,30 +76,55 @@ RESPONSES: dict[str, tuple[int, bytes]] = {
 
 class Endpoint:
     """An OpenAI-compatible /v1/chat/completions on 127.0.0.1; each request takes the next
-    scripted behaviour ("ok" once the script runs out) and is recorded."""
+    scripted behaviour (`default` once the script runs out) and is recorded. With a `barrier`
+    set, every request waits on it before answering; `max_in_flight` is the most requests it
+    held at once."""
 
     def __init__(self) -> None:
         self.script: list[str] = []
+        self.default = "ok"
         self.requests: list[dict[str, Any]] = []
         self.released = threading.Event()
+        self.barrier: threading.Barrier | None = None
+        self.in_flight = self.max_in_flight = 0
+        self.lock = threading.Lock()
         endpoint = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                endpoint.requests.append(
-                    {"path": self.path, "authorization": self.headers.get("Authorization"), "body": json.loads(body)}
-                )
-                behaviour = endpoint.script.pop(0) if endpoint.script else "ok"
+                with endpoint.lock:
+                    endpoint.in_flight += 1
+                    endpoint.max_in_flight = max(endpoint.max_in_flight, endpoint.in_flight)
+                try:
+                    self.answer()
+                finally:
+                    with endpoint.lock:
+                        endpoint.in_flight -= 1
+
+            def answer(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with endpoint.lock:
+                    endpoint.requests.append(
+                        {"path": self.path, "authorization": self.headers.get("Authorization"), "body": body}
+                    )
+                    behaviour = endpoint.script.pop(0) if endpoint.script else endpoint.default
+                if endpoint.barrier is not None:
+                    endpoint.barrier.wait(5)
+                behaviour, _, retry_after = behaviour.partition(" retry-after=")
                 if self.path != "/v1/chat/completions":
                     behaviour = "404"
                 if behaviour == "hang":
                     endpoint.released.wait(5)
                     return
-                status, payload = RESPONSES.get(behaviour, (404, b"{}"))
+                if behaviour == "echo":
+                    status, payload = 200, completion({"role": "assistant", "content": body["messages"][-1]["content"]})
+                else:
+                    status, payload = RESPONSES.get(behaviour, (404, b"{}"))
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(payload)))
+                if retry_after:
+                    self.send_header("Retry-After", retry_after)
                 self.end_headers()
                 self.wfile.write(payload)
 
@@ -202,12 +231,57 @@ def test_transient_failures_are_retried(endpoint, client, first):
 def test_retries_are_bounded_and_back_off_exponentially(endpoint, client):
     endpoint.script = ["500"] * 10
     teacher = make_teacher(endpoint, client, max_retries=3)
-    teacher.backoff_s = 0.05
-    start = time.monotonic()
+    teacher.backoff_s, teacher.sleep = 0.05, (sleeps := []).append
     assert teacher.act(STATE, None) is None
     assert len(endpoint.requests) == 4
-    assert time.monotonic() - start >= 0.05 + 0.1 + 0.2
+    assert sleeps == [0.05, 0.1, 0.2]
     assert teacher.stats.calls == 1 and teacher.stats.failures == 1
+
+
+PAST = format_datetime(datetime(2020, 1, 1, tzinfo=UTC), usegmt=True)
+FUTURE = format_datetime(datetime.now(UTC) + timedelta(days=1), usegmt=True)
+
+
+@pytest.mark.parametrize(
+    ("answer", "slept"),
+    [
+        ("429 retry-after=2", 2.0),
+        ("503 retry-after=0.25", 0.25),
+        ("429 retry-after=3600", 30.0),  # longer than timeout_s: waits timeout_s
+        (f"503 retry-after={FUTURE}", 30.0),
+        (f"429 retry-after={PAST}", 0.0),
+        ("429 retry-after=soon", 0.01),  # unparseable: the backoff
+        ("429 retry-after=-3", 0.01),
+        ("500 retry-after=2", 0.01),  # honoured on 429 and 503 only
+        ("429", 0.01),
+    ],
+)
+def test_retry_after_on_429_and_503_replaces_the_backoff_up_to_the_timeout(endpoint, client, answer, slept):
+    endpoint.script = [answer, "ok"]
+    teacher = make_teacher(endpoint, client, timeout_s=30.0)
+    teacher.sleep = (sleeps := []).append
+    assert teacher.act(STATE, None) == LS_ACTION
+    assert sleeps == [slept] and len(endpoint.requests) == 2
+
+
+def test_a_retry_after_past_the_timeout_is_logged(endpoint, client, caplog):
+    endpoint.script = ["429 retry-after=3600"]
+    teacher = make_teacher(endpoint, client, timeout_s=30.0)
+    teacher.sleep = (sleeps := []).append
+    teacher.act(STATE, None)
+    assert sleeps == [30.0]
+    assert "asks to retry after 3600.0 s; waiting timeout_s = 30.0 s" in caplog.text
+
+
+def test_retry_after_reads_delay_seconds_and_http_dates():
+    now = datetime(2015, 10, 21, 7, 28, tzinfo=UTC)
+    assert retry_after_s("120", now) == 120.0
+    assert retry_after_s("1.5", now) == 1.5
+    assert retry_after_s("Wed, 21 Oct 2015 07:28:45 GMT", now) == 45.0
+    assert retry_after_s("Wed, 21 Oct 2015 07:28:45 -0000", now) == 45.0  # no zone: GMT
+    assert retry_after_s("Wed, 21 Oct 2015 07:00:00 GMT", now) == 0.0  # already past
+    for unusable in [None, "", "soon", "-1", "nan", "inf", "Wed, 32 Oct 2015 07:28:00 GMT"]:
+        assert retry_after_s(unusable, now) is None
 
 
 def test_a_hang_past_every_retry_times_out_as_a_failure(endpoint, client):
@@ -302,6 +376,11 @@ def test_a_teacher_actor_counts_the_runs_other_spend_against_the_ceiling(endpoin
     assert answers.actions == [{"gpt": None}]
     assert answers.totals["skipped_budget"] == 1
     assert endpoint.requests == []  # the ceiling held: nothing was paid for
+
+
+def replay_state(teachers, cache, state, context=None):
+    """One state's answers, its teachers asked one after another."""
+    return replay_states(teachers, cache, [state], [context], max_concurrent=1)[0]
 
 
 # --- cache --------------------------------------------------------------------------------
@@ -473,3 +552,39 @@ def test_a_trace_state_replays_in_the_flat_form_trace_states_produce(endpoint, c
     assert replay_state([make_teacher(endpoint, client)], None, state) == {"gpt": LS_ACTION}
     sent = endpoint.requests[0]["body"]["messages"][1]["tool_calls"][0]["function"]
     assert sent == {"name": "bash", "arguments": '{"cmd": "ls"}'}
+
+
+def test_replay_of_many_states_runs_up_to_the_bound_at_once_and_keeps_their_order(endpoint, client):
+    bound, states = 3, [[{"role": "user", "content": f"state {i}"}] for i in range(9)]
+    endpoint.default = "echo"
+    endpoint.barrier = threading.Barrier(bound)  # a request answers only once `bound` are in flight
+    # one request per answer, and none timed out while it waits: only concurrency fills the barrier
+    teachers = [make_teacher(endpoint, client, name, max_retries=0, timeout_s=10.0) for name in "ab"]
+    actions = replay_states(teachers, None, states, [None] * len(states), max_concurrent=bound)
+    assert endpoint.max_in_flight == bound
+    assert len(endpoint.requests) == 2 * len(states)
+    assert [{name: a["content"] for name, a in row.items()} for row in actions] == [
+        {"a": f"state {i}", "b": f"state {i}"} for i in range(len(states))
+    ]
+    assert [t.stats for t in teachers] == [TeacherStats(calls=len(states))] * 2
+
+
+def test_replay_of_many_states_counts_and_caches_as_one_at_a_time_would(endpoint, client, tmp_path):
+    def broken(messages: list[dict[str, Any]]) -> dict[str, Any]:
+        raise RuntimeError("CUDA out of memory")
+
+    gpt, hf = make_teacher(endpoint, client), HFTeacher(HfTeacherConfig(name="local", path="/m"), broken)
+    cache = TeacherCache(tmp_path / "cache.jsonl")
+    other = [{"role": "user", "content": "other"}]
+    states = [STATE, STATE, other, STATE]  # a state repeated within the round is asked once
+    actions = replay_states([hf, gpt], cache, states, [{}] * len(states), max_concurrent=4)
+    assert [row["local"] for row in actions] == [None] * 4
+    assert [row["gpt"] for row in actions] == [LS_ACTION] * 4
+    assert len(endpoint.requests) == 2 and len(cache) == 2
+    assert gpt.stats == TeacherStats(calls=2, cache_hits=2)
+    assert hf.stats == TeacherStats(calls=4, failures=4)
+
+
+def test_replay_of_many_states_needs_a_context_per_state(endpoint, client):
+    with pytest.raises(ValueError, match="2 states but 1 contexts"):
+        replay_states([make_teacher(endpoint, client)], None, [STATE, STATE], [None], max_concurrent=2)
