@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 FinishReason = Literal["stop", "length"]
 
@@ -53,3 +53,27 @@ def check_sampling(prompts: list[list[int]], temperature: float, top_p: float, m
     for i, prompt in enumerate(prompts):
         if not prompt:
             raise ValueError(f"prompt {i} is empty: generation needs at least one token to condition on")
+
+
+def generate_all(
+    engine: Any,
+    prompts: list[list[int]],
+    *,
+    temperature: float,
+    top_p: float,
+    max_new_tokens: int,
+    stop_token_ids: list[int] | None,
+    seed: int | None,
+) -> list[Completion]:
+    """One completion per prompt, through an engine's sequences and batch (HF or vLLM), all
+    advanced together; deterministic given `seed` (each prompt samples from its own seed)."""
+    check_sampling(prompts, temperature, top_p, max_new_tokens)
+    seqs = [engine.sequence(prompt, s) for prompt, s in zip(prompts, request_seeds(seed, len(prompts)))]
+    batch = engine.batch()
+    for seq in seqs:
+        if engine.begin_turn(seq, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                             stop_token_ids=stop_token_ids):  # fmt: skip
+            batch.add(seq)
+    while len(batch):
+        batch.step()
+    return [seq.turn for seq in seqs]

@@ -19,7 +19,7 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from meshrl.inference.completion import Completion, check_sampling, request_seeds
+from meshrl.inference.completion import Completion, check_sampling, generate_all
 
 
 def top_p_filter(logits: Tensor, top_p: float) -> Tensor:
@@ -174,17 +174,8 @@ class HFEngine:
         seed: int | None = None,
     ) -> list[Completion]:
         """One completion per prompt, all advanced together; deterministic given `seed`."""
-        check_sampling(prompts, temperature, top_p, max_new_tokens)
-        seqs = [self.sequence(prompt, s) for prompt, s in zip(prompts, request_seeds(seed, len(prompts)))]
-        batch = self.batch()
-        for seq in seqs:
-            if self.begin_turn(
-                seq, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids
-            ):
-                batch.add(seq)
-        while batch:
-            batch.step()
-        return [seq.turn for seq in seqs]
+        return generate_all(self, prompts, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                            stop_token_ids=stop_token_ids, seed=seed)  # fmt: skip
 
     def _next_logits(
         self,

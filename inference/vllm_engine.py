@@ -10,11 +10,12 @@ mapping lives in pure functions that are tested without vLLM.
 from __future__ import annotations
 
 import os
+import random
 from typing import Any
 
 from torch import Tensor
 
-from meshrl.inference.completion import Completion, check_sampling, request_seeds
+from meshrl.inference.completion import Completion, check_sampling, generate_all
 
 
 def to_sampling_kwargs(
@@ -42,22 +43,24 @@ def to_prompt_inputs(prompts: list[list[int]]) -> list[dict[str, list[int]]]:
     return [{"prompt_token_ids": list(prompt)} for prompt in prompts]
 
 
-def from_request_output(prompt_ids: list[int], output: Any) -> Completion:
-    """A `Completion` from one `vllm.RequestOutput` (n=1, requested with logprobs=0)."""
-    if list(output.prompt_token_ids) != list(prompt_ids):
-        raise ValueError("the request output answers a different prompt: outputs and prompts are out of order")
+def add_output(turn: Completion, output: Any, version: int) -> bool:
+    """Append one `vllm.RequestOutput` (n=1, logprobs=0, output_kind DELTA: the tokens new since
+    the last step) to the turn, each token stamped with `version`; returns whether it finished."""
+    if output.prompt_token_ids is not None and list(output.prompt_token_ids) != turn.prompt_ids:
+        raise ValueError("the request output answers a different prompt: outputs and requests are mixed up")
     sample = output.outputs[0]
     token_ids = list(sample.token_ids)
     if sample.logprobs is None or len(sample.logprobs) != len(token_ids):
         raise ValueError("the request output carries no logprob per sampled token; request with logprobs=0")
+    turn.completion_ids += token_ids
+    turn.logprobs += [position[token].logprob for token, position in zip(token_ids, sample.logprobs)]
+    turn.versions += [version] * len(token_ids)
+    if not output.finished:
+        return False
     if sample.finish_reason not in ("stop", "length"):
         raise ValueError(f"the request ended with finish_reason {sample.finish_reason!r}, not 'stop' or 'length'")
-    return Completion(
-        prompt_ids=list(prompt_ids),
-        completion_ids=token_ids,
-        logprobs=[position[token].logprob for token, position in zip(token_ids, sample.logprobs)],
-        finish_reason=sample.finish_reason,
-    )
+    turn.finish_reason = sample.finish_reason
+    return True
 
 
 def load_into_worker(worker: Any, weights: list[tuple[str, Tensor]]) -> None:
@@ -91,9 +94,40 @@ class VLLMEngine:
     def load_weights(self, state_dict: dict[str, Tensor], version: int) -> None:
         """Load trainer weights (HF names) through the model's own `load_weights`, which fuses and shards them."""
         self._llm.collective_rpc(load_into_worker, args=(list(state_dict.items()),))
-        # Cached prefix KV blocks were computed by the old weights.
+        # Cached prefix KV blocks were computed by the old weights. vLLM refuses the reset while
+        # requests hold blocks (a swap mid-turn): their KV stays, as the HF engine's does.
         self._llm.reset_prefix_cache()
         self._version = version
+
+    def sequence(self, ids: list[int], seed: int | None = None) -> VLLMSequence:
+        return VLLMSequence(ids, seed)
+
+    def batch(self) -> VLLMBatch:
+        return VLLMBatch(self)
+
+    def begin_turn(
+        self,
+        seq: VLLMSequence,
+        *,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        stop_token_ids: list[int] | None = None,
+    ) -> bool:
+        """Queue the turn as a request over the whole conversation: vLLM's prefix cache finds the
+        blocks of the earlier turns, so only the new ids are prefilled. Tokens come in `VLLMBatch.step`."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        check_sampling([seq.ids], temperature, top_p, max_new_tokens)
+        seq.turn = Completion(list(seq.ids), [], [], "length")
+        seq.request_id = f"{id(seq)}-{seq.turns}"
+        seq.turns += 1
+        kwargs = to_sampling_kwargs(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                                    stop_token_ids=stop_token_ids, seed=seq.rng.getrandbits(63))  # fmt: skip
+        params = SamplingParams(**kwargs, output_kind=RequestOutputKind.DELTA)
+        self._llm.llm_engine.add_request(seq.request_id, to_prompt_inputs([seq.ids])[0], params)
+        return True
 
     def generate(
         self,
@@ -105,23 +139,51 @@ class VLLMEngine:
         stop_token_ids: list[int] | None = None,
         seed: int | None = None,
     ) -> list[Completion]:
-        """Sample one completion per prompt; deterministic given `seed`."""
-        from vllm import SamplingParams
+        """One completion per prompt, all advanced together; deterministic given `seed`."""
+        return generate_all(self, prompts, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                            stop_token_ids=stop_token_ids, seed=seed)  # fmt: skip
 
-        check_sampling(prompts, temperature, top_p, max_new_tokens)
-        if not prompts:
-            return []
-        params = [
-            SamplingParams(
-                **to_sampling_kwargs(
-                    temperature=temperature,
-                    top_p=top_p,
-                    max_new_tokens=max_new_tokens,
-                    stop_token_ids=stop_token_ids,
-                    seed=request_seed,
-                )
-            )
-            for request_seed in request_seeds(seed, len(prompts))
-        ]
-        outputs = self._llm.generate(to_prompt_inputs(prompts), params, use_tqdm=False)
-        return [from_request_output(prompt, output) for prompt, output in zip(prompts, outputs, strict=True)]
+
+class VLLMSequence:
+    """One conversation's ids and current turn; vLLM's prefix cache holds its KV blocks."""
+
+    cached = 0  # vLLM manages its KV memory itself: nothing counts against the scheduler's cap
+
+    def __init__(self, ids: list[int], seed: int | None) -> None:
+        if not ids:
+            raise ValueError("a sequence needs at least one token to condition on")
+        self.ids = list(ids)
+        self.rng = random.Random(seed)
+        self.turn: Completion | None = None
+        self.turns = 0
+        self.request_id = ""
+
+    def extend(self, ids: list[int]) -> None:
+        self.ids += ids
+
+    def release(self) -> None:
+        """Nothing to drop: vLLM evicts prefix-cache blocks itself."""
+
+
+class VLLMBatch:
+    """The engine's running requests, advanced by `LLMEngine.step` (vLLM's own continuous batching)."""
+
+    def __init__(self, engine: VLLMEngine) -> None:
+        self.engine = engine
+        self.running: dict[str, VLLMSequence] = {}
+
+    def __len__(self) -> int:
+        return len(self.running)
+
+    def add(self, seq: VLLMSequence) -> None:
+        self.running[seq.request_id] = seq
+
+    def step(self) -> list[VLLMSequence]:
+        """One engine step; returns the sequences whose turn ended."""
+        ended = []
+        for output in self.engine._llm.llm_engine.step():
+            seq = self.running[output.request_id]
+            if add_output(seq.turn, output, self.engine.version):
+                seq.ids += seq.turn.completion_ids
+                ended.append(self.running.pop(output.request_id))
+        return ended

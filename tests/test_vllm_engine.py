@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from meshrl.inference.completion import Completion, request_seeds
-from meshrl.inference.vllm_engine import from_request_output, to_prompt_inputs, to_sampling_kwargs
+from meshrl.inference.vllm_engine import add_output, to_prompt_inputs, to_sampling_kwargs
 
 
 # Shapes of vllm.logprobs.Logprob, vllm.outputs.CompletionOutput and vllm.outputs.RequestOutput (fields we read).
@@ -44,6 +44,13 @@ def request_output(prompt, tokens, logprobs, finish_reason="stop", per_position=
     positions = per_position or [{token: Logprob(lp, rank=1)} for token, lp in zip(tokens, logprobs)]
     sample = CompletionOutput(0, "", tokens, sum(logprobs), positions, finish_reason, None)
     return RequestOutput("0", prompt, [sample])
+
+
+def complete(prompt: list[int], output: RequestOutput, version: int = 0) -> Completion:
+    """A turn from one finished output."""
+    turn = Completion(prompt, [], [], "length")
+    assert add_output(turn, output, version)
+    return turn
 
 
 def test_importing_the_module_does_not_import_vllm():
@@ -88,29 +95,39 @@ def test_prompt_inputs_are_token_prompts():
 
 
 def test_a_stopped_request_becomes_a_completion_ending_in_its_stop_token():
-    out = from_request_output([1, 2], request_output([1, 2], [7, 8, 3], [-0.5, -1.25, -0.01]))
-    expected = Completion([1, 2], [7, 8, 3], [-0.5, -1.25, -0.01], finish_reason="stop")
+    out = complete([1, 2], request_output([1, 2], [7, 8, 3], [-0.5, -1.25, -0.01]))
+    expected = Completion([1, 2], [7, 8, 3], [-0.5, -1.25, -0.01], finish_reason="stop", versions=[0, 0, 0])
     assert out == expected
+
+
+def test_delta_outputs_accumulate_and_each_token_keeps_the_version_that_sampled_it():
+    turn = Completion([1], [], [], "length")
+    first = request_output([1], [7, 8], [-0.5, -1.0])
+    first.finished = False
+    assert not add_output(turn, first, version=3)
+    later = request_output(None, [9], [-0.2], finish_reason="length")
+    assert add_output(turn, later, version=4)  # the weights changed between two engine steps
+    assert turn == Completion([1], [7, 8, 9], [-0.5, -1.0, -0.2], "length", versions=[3, 3, 4])
 
 
 def test_the_sampled_tokens_logprob_is_read_when_other_tokens_are_listed():
     # With logprobs=1 vLLM also lists the top token; only the sampled one's logprob counts.
     positions = [{7: Logprob(-2.0, rank=3), 4: Logprob(-0.1, rank=1)}, {9: Logprob(-0.3, rank=1)}]
-    out = from_request_output([1], request_output([1], [7, 9], [-2.0, -0.3], "length", positions))
+    out = complete([1], request_output([1], [7, 9], [-2.0, -0.3], "length", positions))
     assert out.logprobs == [-2.0, -0.3] and out.finish_reason == "length"
 
 
 def test_outputs_that_break_the_contract_are_refused():
     with pytest.raises(ValueError, match="no logprob"):
-        from_request_output([1], request_output([1], [7, 8], [-0.5], per_position=[{7: Logprob(-0.5)}]))
+        complete([1], request_output([1], [7, 8], [-0.5], per_position=[{7: Logprob(-0.5)}]))
     missing = request_output([1], [7], [-0.5])
     missing.outputs[0].logprobs = None
     with pytest.raises(ValueError, match="no logprob"):
-        from_request_output([1], missing)
+        complete([1], missing)
     with pytest.raises(ValueError, match="abort"):
-        from_request_output([1], request_output([1], [7], [-0.5], finish_reason="abort"))
+        complete([1], request_output([1], [7], [-0.5], finish_reason="abort"))
     with pytest.raises(ValueError, match="different prompt"):
-        from_request_output([1, 2], request_output([2, 1], [7], [-0.5]))
+        complete([1, 2], request_output([2, 1], [7], [-0.5]))
 
 
 @pytest.mark.gpu
