@@ -1,8 +1,10 @@
-"""Curves of a run's metrics.jsonl (reward, per-channel losses, throughput) as PNGs in DIR/plots/."""
+"""Curves of a run's metrics.jsonl (reward, per-channel losses, throughput) and its step timeline
+as PNGs in DIR/plots/."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from meshrl.run.run_dir import RunDir
 
@@ -40,4 +42,33 @@ def plot(run: str | Path) -> list[Path]:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         written.append(path)
+    if run_dir.read_timeline():
+        written.append(plot_timeline(run_dir, out / "timeline.png", plt))
     return written
+
+
+def plot_timeline(run_dir: RunDir, path: Path, plt: Any, last_steps: int = 6) -> Path:
+    """The last steps' spans as bars per lane (generators, trainer, weights, teachers,
+    checkpoint), coloured by the step they served: overlapping colours are generation running
+    ahead of training. Seconds from the first span shown."""
+    records = run_dir.read_timeline()[-last_steps:]
+    spans = [span for record in records for span in record["spans"]]
+    t0 = min(span["start"] for span in spans)
+    order = ["checkpoint", "weights", "trainer"]
+    lanes = sorted(
+        {span["lane"] for span in spans}, key=lambda lane: (lane in order, order.index(lane) if lane in order else lane)
+    )
+    colours = plt.get_cmap("tab10")
+    fig, ax = plt.subplots(figsize=(9, 0.5 + 0.45 * len(lanes)))
+    for span in spans:
+        y = lanes.index(span["lane"])
+        ax.broken_barh([(span["start"] - t0, max(span["end"] - span["start"], 1e-3))], (y - 0.35, 0.7),
+                       facecolors=colours(span["step"] % 10), alpha=0.45, edgecolor="black", linewidth=0.3)  # fmt: skip
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.set_xlabel("seconds")
+    steps = sorted({span["step"] for span in spans})
+    ax.set_title(f"steps {steps[0]}-{steps[-1]} (colour = the step a span served)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -72,7 +72,7 @@ def test_short_run_through_real_meshes(tmp_path):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2", "step_3"]
     assert (out / "checkpoints" / "step_2" / "COMPLETE").exists()
     assert (out / "checkpoints" / "step_2" / "model" / "model.safetensors").exists()
-    assert {p.name for p in (out / "plots").iterdir()} == {"reward.png", "losses.png", "throughput.png"}
+    assert {p.name for p in (out / "plots").iterdir()} == {"reward.png", "losses.png", "throughput.png", "timeline.png"}
     assert load_config(["@", str(out / "config.toml")]).max_steps == 3
 
     # max_async_level 1: step 2's prompts were drawn, not trained, when step 2 was saved; the
