@@ -18,7 +18,7 @@ from meshrl.configs.schema import RunConfig
 from meshrl.inference.backends import make_engine
 from meshrl.inference.weights import WeightLayout, unflatten_weights
 from meshrl.rollouts.episodes import EpisodeFormat
-from meshrl.rollouts.scheduler import EpisodeScheduler, FinishedGroup, GroupRequest, Sampling, SchedulerStats
+from meshrl.rollouts.scheduler import EpisodeScheduler, FinishedGroup, GroupRequest, Sampling
 from meshrl.tasks.base import make_task
 from meshrl.topology.devices import proc_device, role_gpus
 from meshrl.topology.worker import process_info
@@ -51,10 +51,6 @@ class GeneratorActor(Actor):
     async def take(self, wait_s: float) -> list[FinishedGroup]:
         """Finished groups, waiting up to `wait_s` for the first (a long poll)."""
         return await asyncio.to_thread(self.scheduler.take, wait_s)
-
-    @endpoint
-    async def stats(self) -> SchedulerStats:
-        return self.scheduler.stats
 
     @concurrent_endpoint
     async def load_weights(self, weights: dict[str, torch.Tensor], version: int, wait: bool = False) -> None:

@@ -62,21 +62,22 @@ def eos_token_ids(model: PreTrainedModel) -> list[int]:
 class HFEngine:
     """Inference engine around an HF causal LM; `load_weights` swaps in a new policy version in place."""
 
-    def __init__(self, model: PreTrainedModel, eos_token_ids: list[int], pad_token_id: int) -> None:
+    def __init__(self, model: PreTrainedModel, eos_token_ids: list[int]) -> None:
         if not eos_token_ids:
             raise ValueError("eos_token_ids is empty: completions could only end by length")
+        if any(type(layer) is not DynamicLayer for layer in DynamicCache(config=model.config).layers):
+            raise ValueError(
+                f"{type(model).__name__} uses sliding-window or other non-dynamic KV cache layers, "
+                "which the HF engine's per-conversation caches do not support; use generator.backend = vllm"
+            )
         self.model = model.eval()
         self.eos_token_ids = list(eos_token_ids)
-        self.pad_token_id = pad_token_id
         self._version = 0
 
     @classmethod
     def from_pretrained(cls, path: str, dtype: str = "float32", device: str = "cpu") -> HFEngine:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device)
-        eos = eos_token_ids(model)
-        pad = model.config.pad_token_id
-        # The pad id only fills masked positions, so any valid id serves when the model names none.
-        return cls(model, eos, eos[0] if pad is None else pad)
+        return cls(model, eos_token_ids(model))
 
     @property
     def version(self) -> int:
@@ -135,9 +136,9 @@ class HFEngine:
         mask = torch.ones((1, len(seq.ids)), dtype=torch.long, device=device)
         logits = self._next_logits(new, mask, positions, seq.cache, logits_to_keep=1)
         seq.cached = len(seq.ids)
-        return self.take(seq, logits[0])
+        return self.sample_next(seq, logits[0])
 
-    def take(self, seq: Sequence, logits: Tensor) -> bool:
+    def sample_next(self, seq: Sequence, logits: Tensor) -> bool:
         """Sample the sequence's next token from its logits row; returns whether its turn goes on."""
         token, logprob = sample(logits, seq.temperature, seq.top_p, seq.generator)
         turn = seq.turn
@@ -155,13 +156,8 @@ class HFEngine:
         return DecodeBatch(self)
 
     def empty_cache(self) -> DynamicCache:
-        cache = DynamicCache(config=self.model.config)
-        if any(type(layer) is not DynamicLayer for layer in cache.layers):
-            raise ValueError(
-                f"{type(self.model).__name__} uses sliding-window or other non-dynamic KV cache layers, "
-                "which the HF engine's per-conversation caches do not support; use generator.backend = vllm"
-            )
-        return cache
+        """A cache for one sequence or a batch (its layers are plain dynamic ones: checked at init)."""
+        return DynamicCache(config=self.model.config)
 
     def generate(
         self,
@@ -265,7 +261,7 @@ class DecodeBatch:
         going = []
         for i, seq in enumerate(rows):
             seq.cached += 1
-            going.append(engine.take(seq, logits[i]))
+            going.append(engine.sample_next(seq, logits[i]))
         if all(going):
             return []
         ended = [seq for seq, on in zip(rows, going) if not on]

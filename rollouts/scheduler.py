@@ -96,20 +96,21 @@ class EpisodeScheduler:
         max_tokens: int,
     ) -> None:
         self.engine, self.format, self.sampling = engine, episodes, sampling
-        self.max_episodes, self.max_tokens = max_episodes, max_tokens
+        self.max_tokens = max_tokens
         self.stats = SchedulerStats()
         self.error: BaseException | None = None
         self.outbox: queue.Queue[FinishedGroup] = queue.Queue()
         self._tools = ThreadPoolExecutor(max_workers=max_episodes, thread_name_prefix="tools")
         self._running_tools = 0
-        # engine thread state, guarded by _cond
+        # handed to the engine thread, guarded by _cond
         self._cond = threading.Condition()
         self._waiting: deque[_Turn] = deque()
         self._releases: list[Any] = []
         self._staged: tuple[dict[str, torch.Tensor], int, threading.Event] | None = None
+        self._closed = False
+        # the engine thread's own
         self._idle: OrderedDict[int, Any] = OrderedDict()  # id(seq) -> seq, least recently used first
         self._running: dict[int, _Turn] = {}
-        self._closed = False
         self.loop = asyncio.new_event_loop()
         self._slots = asyncio.Semaphore(max_episodes)
         self._threads = [

@@ -58,7 +58,7 @@ class PollTask:
         ticket = arguments.get("ticket") if isinstance(arguments, dict) else None
         if name != POLL or not isinstance(ticket, str):
             return ToolResult(f'error: call poll with {{"ticket": "..."}}; next ticket "{tickets[0]}"', is_error=True)
-        # the first poll of a ticket that is not the last one answers with the next ticket
+        # tickets are distinct: one before the last answers with the next, the last with the result
         for i, known in enumerate(tickets[:-1]):
             if ticket == known:
                 return ToolResult(f'running; next ticket "{tickets[i + 1]}"')

@@ -29,7 +29,7 @@ def model() -> LlamaForCausalLM:
 
 
 def engine_for(model: LlamaForCausalLM, eos: int = EOS) -> HFEngine:
-    return HFEngine(model, eos_token_ids=[eos], pad_token_id=0)
+    return HFEngine(model, eos_token_ids=[eos])
 
 
 def reference_logprobs(
@@ -151,12 +151,11 @@ def test_a_bad_update_is_refused_whole(model):
         assert torch.equal(tensor, snapshot[name])
 
 
-def test_from_pretrained_reads_eos_and_pad_from_the_saved_model(tmp_path):
+def test_from_pretrained_reads_eos_from_the_saved_model(tmp_path):
     directory = ensure_tiny(tmp_path / "tiny")
     tokenizer = load_tokenizer(directory)
     engine = HFEngine.from_pretrained(str(directory))
     assert engine.eos_token_ids == [tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    assert engine.pad_token_id == tokenizer.pad_token_id
     messages = [{"role": "user", "content": "run the tests"}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
     (completion,) = engine.generate([prompt], temperature=1.0, top_p=0.95, max_new_tokens=6, seed=0)

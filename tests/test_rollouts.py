@@ -10,7 +10,7 @@ from meshrl.tasks.base import Prompt
 
 def _rollout(prompt_id: str, reward: float) -> Rollout:
     prompt = Prompt(prompt_id, [{"role": "user", "content": "q"}])
-    return Rollout(prompt, [], [1, 2, 3, 4], [False, False, True, True], [0.0, 0.0, -0.5, -0.7], 0, reward=reward)
+    return Rollout(prompt, [], [1, 2, 3, 4], [False, False, True, True], [0.0, 0.0, -0.5, -0.7], [0, 0], reward=reward)
 
 
 def test_a_group_with_equal_rewards_has_exactly_zero_advantage_and_no_rows():
