@@ -85,7 +85,12 @@ class TrainerActor(Actor):
 
     @endpoint
     def save_checkpoint(self, directory: str) -> None:
-        self.core.save(directory)
+        """Snapshot the state; rank 0 writes it in the background (see `checkpoint_written`)."""
+        self.core.save(directory, wait=False)
+
+    @endpoint
+    def checkpoint_written(self, wait: bool) -> bool:
+        return self.core.checkpoint_written(wait)
 
     @endpoint
     def load_checkpoint(self, directory: str) -> None:

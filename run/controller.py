@@ -84,6 +84,17 @@ class TeacherRound:
     sent: float
 
 
+@dataclass
+class PendingCheckpoint:
+    """A checkpoint the trainer is still writing in the background, with the controller state
+    of the moment it was snapshotted; committed once the trainer reports the write done."""
+
+    staging: Path
+    step: int
+    state: dict[str, Any]
+    started: float
+
+
 def resolve_model(config: RunConfig, run: RunDir) -> str:
     """`tiny` is built and saved under the run directory on first use; anything else is a path or hub id."""
     if config.model.path == "tiny":
@@ -108,6 +119,7 @@ class Controller:
         self.slots: dict[str, GroupSlot] = {}  # groups in flight, by key
         self.takes: dict[int, Any] = {}  # generator rank -> its pending `take` (-> list[FinishedGroup])
         self.pulls: dict[int, Any] = {}  # generator rank -> its pending weight load
+        self.pending_checkpoint: PendingCheckpoint | None = None
         self.groups_asked = 0
         self.pairs: list[DpoPair] = []
         self.dropped_stale = 0
@@ -169,10 +181,13 @@ class Controller:
 
     def stop_for_lost_host(self, lost: HostLost) -> RunStopped:
         """Checkpoint if the trainers still can, and say which host was lost and where to resume."""
-        latest = self.run.latest_checkpoint()
+        latest, pending = self.run.latest_checkpoint(), self.pending_checkpoint
         try:
-            if latest is None or latest.name != f"step_{self.step}":
+            if (latest is None or latest.name != f"step_{self.step}") and (
+                pending is None or pending.step != self.step
+            ):
                 self.save()
+            self.commit_checkpoint(wait=True)
             saved = f"Saved checkpoint step {self.step};"
         except SupervisionError as exc:  # the trainers were on that host too
             saved = f"no checkpoint could be taken ({exc}); newest complete: {latest.name if latest else 'none'};"
@@ -391,6 +406,9 @@ class Controller:
     # ------------------------------------------------------------------ checkpoints
 
     def save(self) -> None:
+        """Snapshot a checkpoint: the trainers write it in the background while training goes on,
+        and `commit_checkpoint` publishes it once written (one write in flight at a time)."""
+        self.commit_checkpoint(wait=True)
         start = time.time()
         staging = self.run.staging(self.step)
         self.trainers.save_checkpoint.call(str(staging)).get()
@@ -406,8 +424,18 @@ class Controller:
             "lost_rollouts": self.lost_rollouts,
             "teacher_cache": str(self.run.root / "teacher_cache.jsonl"),
         }
-        self.run.commit_checkpoint(staging, self.step, state, self.config.ckpt.keep_last)
+        self.pending_checkpoint = PendingCheckpoint(staging, self.step, state, start)
         self.timeline.append(_span("checkpoint", start, time.time(), self.step - 1))
+
+    def commit_checkpoint(self, wait: bool) -> None:
+        """Publish the pending checkpoint (controller state, COMPLETE, one rename) once every
+        trainer rank reports its write done; `wait`: block until then."""
+        pending = self.pending_checkpoint
+        if pending is None or not all(self.trainers.checkpoint_written.call(wait).get().values()):
+            return
+        self.pending_checkpoint = None
+        self.run.commit_checkpoint(pending.staging, pending.step, pending.state, self.config.ckpt.keep_last)
+        self.timeline.append(_span("checkpoint write", pending.started, time.time(), pending.step - 1))
 
     def resume(self) -> bool:
         latest = self.run.latest_checkpoint()
@@ -510,14 +538,16 @@ class Controller:
             progress.update(record, cfg.max_steps)
             if lost is not None:
                 raise lost
+            self.commit_checkpoint(wait=False)
             if self.step % cfg.ckpt.interval == 0 or self.step == cfg.max_steps:
                 self.save()
             self.run.append_timeline({"step": self.step - 1, "spans": self.timeline})
+        self.commit_checkpoint(wait=True)
 
 
 def _span(lane: str, start: float, end: float, step: int) -> dict[str, Any]:
     """One bar of the timeline figure: a lane (generator r, trainer, weights, teacher r,
-    checkpoint), wall-clock start and end, and the step it served."""
+    checkpoint (the snapshot), checkpoint write (until committed)), wall-clock start and end, and the step it served."""
     return {"lane": lane, "start": start, "end": end, "step": step}
 
 

@@ -54,7 +54,7 @@ def plot_timeline(run_dir: RunDir, path: Path, plt: Any, last_steps: int = 6) ->
     records = run_dir.read_timeline()[-last_steps:]
     spans = [span for record in records for span in record["spans"]]
     t0 = min(span["start"] for span in spans)
-    order = ["checkpoint", "weights", "trainer"]
+    order = ["checkpoint write", "checkpoint", "weights", "trainer"]
     lanes = sorted(
         {span["lane"] for span in spans}, key=lambda lane: (lane in order, order.index(lane) if lane in order else lane)
     )

@@ -1,8 +1,23 @@
 from __future__ import annotations
 
-import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+import os
+import subprocess
+import sys
+
+
+def _cpu_bfloat16_runs() -> bool:
+    """Some VMs advertise AMX that the hypervisor does not let run: oneDNN's bfloat16 kernels
+    then die with SIGILL (seen here). Probed in a subprocess, before this process loads oneDNN."""
+    probe = "import torch; a = torch.ones(64, 64, dtype=torch.bfloat16); a @ a"  # small ones skip oneDNN
+    return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
+
+
+if "ONEDNN_MAX_CPU_ISA" not in os.environ and not _cpu_bfloat16_runs():
+    os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX512_CORE_BF16"  # every ISA but AMX; spawned procs inherit it
+
+import pytest  # noqa: E402 - after the ISA choice: oneDNN reads it once
+import torch  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

@@ -3,10 +3,15 @@ embeddings and grouped-query attention)."""
 
 from __future__ import annotations
 
+import threading
+
+import pytest
 import torch
 
 from meshrl.configs import load_config
 from meshrl.models.tiny import ensure_tiny
+from meshrl.trainer import checkpoint
+from meshrl.trainer import core as core_module
 from meshrl.trainer.core import TrainerCore, grad_buckets
 from tests.test_trainer import dpo_batch, rl_batch
 
@@ -85,3 +90,43 @@ def test_gradient_buckets_bound_each_all_reduce_copy():
     buckets = grad_buckets(grads, cap_bytes=80)
     assert [[g.numel() for g in b] for b in buckets] == [[10, 10], [30], [5, 5]]  # a 120-byte grad goes alone
     assert [g for b in buckets for g in b] == grads
+
+
+def test_a_background_checkpoint_holds_the_state_of_its_snapshot_while_training_goes_on(tmp_path, monkeypatch):
+    """The write is held back until a step has run after the snapshot: the checkpoint must hold
+    the snapshot's weights, moments and step count, not the live ones the step overwrote."""
+    config = load_config([*QWEN_TIED, "--loss.replay.weight", "0.5"])
+    model_path = str(ensure_tiny(tmp_path / "model", config.model.tiny))
+    core = TrainerCore(config, model_path)
+    vocab = core.model.config.vocab_size
+    core.train_step([[rl_batch(core.model, 1)]], [dpo_batch(2, vocab)], rl_tokens=10)
+    snapshot = {name: value.clone() for name, value in core.weights().items()}
+    moments = [s["exp_avg"].clone() for s in core.optimizer.state.values()]
+
+    release = threading.Event()
+    write = checkpoint.write_checkpoint
+    monkeypatch.setattr(core_module, "write_checkpoint", lambda *args: (release.wait(30), write(*args)))
+    core.save(tmp_path / "ckpt", wait=False)
+    assert not core.checkpoint_written(wait=False)
+    core.train_step([[rl_batch(core.model, 3)]], [dpo_batch(4, vocab)], rl_tokens=10)  # moves the live state
+    release.set()
+    assert core.checkpoint_written(wait=True)
+
+    resumed = TrainerCore(config, model_path)
+    resumed.load(tmp_path / "ckpt")
+    for name, value in resumed.weights().items():
+        assert torch.equal(value, snapshot[name]), name
+        assert not torch.equal(value, core.weights()[name]), name
+    for saved, expected in zip([s["exp_avg"] for s in resumed.optimizer.state.values()], moments, strict=True):
+        assert torch.equal(saved, expected)
+    assert resumed.scheduler.last_epoch == 1
+
+
+def test_a_failed_background_write_is_raised_naming_the_checkpoint(tmp_path):
+    config = load_config(QWEN_TIED)
+    core = TrainerCore(config, str(ensure_tiny(tmp_path / "model", config.model.tiny)))
+    (tmp_path / "taken").write_text("a file where the checkpoint folder should go")
+    core.save(tmp_path / "taken" / "step_1", wait=False)
+    with pytest.raises(RuntimeError, match="writing checkpoint .*taken/step_1 failed"):
+        core.checkpoint_written(wait=True)
+    assert core.checkpoint_written(wait=False)  # reported once; the next save starts clean

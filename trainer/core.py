@@ -37,11 +37,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from meshrl.configs.schema import RunConfig
 from meshrl.loss_adapters.compose import REPLAY_KEYS, compose_loss, reference_sums, rl_loss_fn
 from meshrl.loss_adapters.logprobs import sequence_token_logprobs
+from meshrl.trainer.checkpoint import CheckpointWriter, TrainerState, own_copy, write_checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -144,6 +145,7 @@ class TrainerCore:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
         self.skipped_steps = 0
+        self.writer = CheckpointWriter()
 
     # ------------------------------------------------------------------ steps
 
@@ -315,10 +317,12 @@ class TrainerCore:
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return full if dtype is None else {name: value.to(dtype) for name, value in full.items()}
 
-    def save(self, directory: str | Path) -> None:
+    def save(self, directory: str | Path, wait: bool = True) -> None:
         """Model (safetensors), optimizer, scheduler and RNG state into `directory`.
 
-        Every rank calls (the full state dicts are gathered under FSDP2); rank 0 writes.
+        Every rank calls (the full state dicts are gathered under FSDP2); rank 0 snapshots them
+        and writes. `wait=False` returns after the snapshot: the write runs in the background
+        (`checkpoint_written` says when it is done) while training goes on.
         """
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         weights = self.weights()
@@ -326,21 +330,28 @@ class TrainerCore:
         reference = get_model_state_dict(self.ref_model, options=options) if self.ref_model is not None else None
         if self.rank != 0:
             return
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(directory / "model", state_dict=weights)
-        AutoTokenizer.from_pretrained(self.model_path).save_pretrained(directory / "model")  # loads as a model dir
-        torch.save(
-            {
-                "optimizer": optimizer,
-                "scheduler": self.scheduler.state_dict(),
-                "skipped_steps": self.skipped_steps,
-                "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
-            },
-            directory / "trainer.pt",
+        weights, optimizer, reference, scheduler = own_copy(
+            (weights, optimizer, reference, self.scheduler.state_dict()), clone_tensors=self.device.type == "cpu"
         )
-        if reference is not None:  # save_pretrained stores tied weights once
-            self.ref_model.save_pretrained(directory / "reference", state_dict=reference)
+        state = TrainerState(
+            weights=weights,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            skipped_steps=self.skipped_steps,
+            rng={"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
+            reference=reference,
+        )
+        directory = Path(directory)
+        self.writer.submit(
+            directory, lambda: write_checkpoint(state, directory, self.model, self.ref_model, self.model_path)
+        )
+        if wait:
+            self.checkpoint_written(wait=True)
+
+    def checkpoint_written(self, wait: bool) -> bool:
+        """True once this rank's last `save` is on disk (`wait`: block until then); a failed
+        write raises here."""
+        return self.writer.written(wait)
 
     def load(self, directory: str | Path) -> None:
         """Every rank reads the checkpoint rank 0 wrote and keeps its own part."""
