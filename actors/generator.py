@@ -8,10 +8,12 @@ and the weight endpoints are concurrent endpoints, so neither waits behind the o
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import torch
 from monarch.actor import Actor, concurrent_endpoint, current_rank, endpoint
+from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from meshrl.configs.schema import RunConfig
@@ -20,7 +22,7 @@ from meshrl.inference.weights import WeightLayout, unflatten_weights
 from meshrl.rollouts.episodes import EpisodeFormat
 from meshrl.rollouts.scheduler import EpisodeScheduler, FinishedGroup, GroupRequest, Sampling
 from meshrl.tasks.base import make_task
-from meshrl.topology.devices import proc_device, role_gpus
+from meshrl.topology.devices import cpu_threads, proc_device, role_gpus
 from meshrl.topology.worker import process_info
 
 
@@ -28,9 +30,9 @@ class GeneratorActor(Actor):
     def __init__(self, config: RunConfig, model_path: str, rank: int | None = None) -> None:
         self.rank = current_rank().rank if rank is None else rank  # a replacement keeps the rank it replaces
         g = config.generator
-        torch.set_num_threads(max(1, torch.get_num_threads() // max(1, config.topology.generator.procs)))
         gpus = role_gpus(config.topology, "generator", self.rank)
-        proc_device(config.topology, "generator", self.rank)  # refuses GPUs the host lacks
+        if proc_device(config.topology, "generator", self.rank).type == "cpu":  # also refuses GPUs the host lacks
+            torch.set_num_threads(cpu_threads(config.topology))
         engine = make_engine(g.backend, model_path, config.model.dtype, gpus)
         episodes = EpisodeFormat(AutoTokenizer.from_pretrained(model_path), make_task(config.task))
         self.scheduler = EpisodeScheduler(
@@ -65,6 +67,16 @@ class GeneratorActor(Actor):
         flat = layout.empty()
         await buffer.read_into(flat)
         await self._stage(unflatten_weights(flat, layout), version, wait)
+
+    @concurrent_endpoint
+    async def read_weights(self, path: str, version: int, wait: bool = False) -> None:
+        """Load the safetensors file the trainer published at `path` and stage it."""
+        if not Path(path).exists():
+            raise FileNotFoundError(
+                f"generator rank {self.rank} does not see the published weights {path}: "
+                "generator.weight_sync = filesystem needs output_dir on a filesystem the trainer and generator hosts share"
+            )
+        await self._stage(await asyncio.to_thread(load_file, path), version, wait)
 
     async def _stage(self, weights: dict[str, torch.Tensor], version: int, wait: bool) -> None:
         loaded = self.scheduler.load_weights(weights, version)

@@ -12,8 +12,8 @@ from monarch.actor import Actor, current_rank, endpoint
 from monarch.rdma import RDMABuffer
 
 from meshrl.configs.schema import RunConfig
-from meshrl.inference.weights import WeightLayout, flatten_weights, refill_flat
-from meshrl.topology.devices import proc_device
+from meshrl.inference.weights import WeightLayout, flatten_weights, refill_flat, save_weights_file
+from meshrl.topology.devices import cpu_threads, proc_device
 from meshrl.topology.worker import process_info
 from meshrl.trainer.core import TrainerCore
 
@@ -32,6 +32,8 @@ class TrainerActor(Actor):
         device = proc_device(self.config.topology, "trainer", self.rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        else:
+            torch.set_num_threads(cpu_threads(self.config.topology))
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world > 1 and not dist.is_initialized():
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -73,6 +75,16 @@ class TrainerActor(Actor):
         else:
             refill_flat(self._buffer[0], self._buffer[2], weights)
         return self._buffer[1], self._buffer[2]
+
+    @endpoint
+    def policy_weights_file(self, path: str) -> str | None:
+        """Rank 0 writes the weights in the compute dtype as one safetensors file at `path`
+        (atomically) and returns the path generators read; None on the other ranks."""
+        weights = self.core.weights(self.core.compute_dtype)
+        if self.rank != 0:
+            return None
+        save_weights_file(weights, Path(path))
+        return path
 
     @endpoint
     def read_text(self, path: str) -> str | None:

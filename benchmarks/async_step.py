@@ -43,10 +43,11 @@ def main() -> None:
         run(base, ["--trainer.warm_start_steps", str(args.warm_start_steps), "--max-steps", "3"], warm)
         timed = [*base, "--model.path", str(warm / "final"), "--trainer.warm_start_steps", "0",
                  "--max-steps", str(args.steps), "--ckpt.interval", str(args.steps + 1)]  # fmt: skip
+        tensors = ["--generator.weight_sync", "tensors"]
         modes = {
-            "sync + tensors": ["--generator.max_async_level", "0"],
-            "async 1 + tensors": ["--generator.max_async_level", "1"],
-            "async 2 + tensors": ["--generator.max_async_level", "2"],
+            "sync + tensors": ["--generator.max_async_level", "0", *tensors],
+            "async 1 + tensors": ["--generator.max_async_level", "1", *tensors],
+            "async 2 + tensors": ["--generator.max_async_level", "2", *tensors],
             "async 1 + rdma": ["--generator.max_async_level", "1", "--generator.weight_sync", "rdma"],
         }
         results = {name: run(timed, extra, Path(tmp) / name.replace(" ", "")) for name, extra in modes.items()}

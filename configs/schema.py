@@ -186,8 +186,11 @@ class GeneratorConfig(Section):
     )
     max_async_level: int = Field(1, ge=0, description="Policy versions generation may run ahead of training.")
     max_off_policy_steps: int = Field(8, ge=0, description="Rollouts older than this many versions are dropped.")
-    weight_sync: Literal["tensors", "rdma"] = Field(
-        "tensors", description="Weights to generators as pickled endpoint tensors or read from an RDMA buffer."
+    weight_sync: Literal["tensors", "rdma", "filesystem"] = Field(
+        "tensors",
+        description="Weights to generators as pickled endpoint tensors through the controller, read straight from "
+        "the trainer's RDMA buffer (Monarch falls back to TCP without RDMA hardware), or as a safetensors file under "
+        "output_dir/weights (a filesystem the trainer and generator hosts share).",
     )
     max_concurrent_episodes: int = Field(
         32, ge=1, description="Episodes one generator runs at once; a finished one's slot is refilled at once."

@@ -1,15 +1,22 @@
-"""The flat weight buffer a trainer publishes and generators read (`generator.weight_sync = rdma`).
+"""How a trainer's weights reach generators other than as pickled tensors.
 
-Monarch's RDMABuffer takes one 1-D contiguous tensor, so the state dict travels as one flat
-tensor of one dtype plus its layout: the dtype (a reader allocates its buffer from it; a
-float32 buffer read from bf16 bytes is garbage) and a `TensorSlot` per weight, in order.
+`generator.weight_sync = rdma`: Monarch's RDMABuffer takes one 1-D contiguous tensor, so the
+state dict travels as one flat tensor of one dtype plus its layout: the dtype (a reader
+allocates its buffer from it; a float32 buffer read from bf16 bytes is garbage) and a
+`TensorSlot` per weight, in order.
+
+`generator.weight_sync = filesystem`: one safetensors file per version, written atomically (a
+reader never sees half a file), as PRIME-RL's trainer hands weights to its inference servers.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 
 @dataclass(frozen=True)
@@ -57,3 +64,20 @@ def unflatten_weights(flat: torch.Tensor, layout: WeightLayout) -> dict[str, tor
         weights[slot.name] = flat[offset : offset + slot.numel].view(slot.shape)
         offset += slot.numel
     return weights
+
+
+def save_weights_file(weights: dict[str, torch.Tensor], path: Path) -> None:
+    """The weights as one safetensors file at `path`, renamed in when complete. A tensor sharing
+    storage with an earlier one (tied embeddings) is written once: generators load by name and
+    their model ties it again."""
+    seen: set[tuple[int, int]] = set()
+    unique = {}
+    for name, tensor in weights.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        if key not in seen:
+            seen.add(key)
+            unique[name] = tensor.contiguous()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial")
+    save_file(unique, str(partial))
+    os.replace(partial, path)

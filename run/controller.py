@@ -164,6 +164,7 @@ class Controller:
                 self.trainer_procs.stop().get(timeout=30)
             except Exception as exc:  # noqa: BLE001 - after a trainer fault its mesh may not answer
                 print(f"stopping the trainer mesh: {type(exc).__name__}: {exc}")
+        self.run.prune_weights()  # published weights are only for the generators just stopped
 
     # ------------------------------------------------------------------ faults
 
@@ -306,13 +307,19 @@ class Controller:
 
     def _load_weights(self, ranks: list[int], version: int, wait: bool = False) -> None:
         """Trainer rank 0's weights → these generator ranks, through the trainer's registered
-        RDMA buffer (read by the generators themselves) or as pickled tensors; the loads are left
-        in `self.pulls`. Every trainer rank is called: under FSDP2 the full weights are an all-gather."""
-        self._settle_pulls()  # the buffer is refilled in place: earlier reads must be done
-        if self.config.generator.weight_sync == "rdma":
+        RDMA buffer or a safetensors file (both read by the generators themselves) or as pickled
+        tensors; the loads are left in `self.pulls`. Every trainer rank is called: under FSDP2 the full weights are an all-gather."""
+        self._settle_pulls()  # the buffer is refilled in place, old files removed: earlier reads must be done
+        sync = self.config.generator.weight_sync
+        if sync == "rdma":
             buffer, layout = self.trainers.policy_weights_rdma.call().get().item(rank=0)
             for rank in ranks:
                 self.pulls[rank] = self.generators[rank].pull_weights.call_one(buffer, layout, version, wait)
+        elif sync == "filesystem":
+            path = self.trainers.policy_weights_file.call(str(self.run.weights_file(version))).get().item(rank=0)
+            self.run.prune_weights(keep=Path(path))  # every earlier version's reads are settled
+            for rank in ranks:
+                self.pulls[rank] = self.generators[rank].read_weights.call_one(path, version, wait)
         else:
             weights = self.trainers.policy_weights.call().get().item(rank=0)
             for rank in ranks:
@@ -327,7 +334,7 @@ class Controller:
             except SupervisionError:
                 self._generator_died(rank)
 
-    def _publish(self, version: int, wait: bool = False) -> float:
+    def publish(self, version: int, wait: bool = False) -> float:
         """The new policy to every generator; returns the seconds the controller spent on it."""
         start = time.perf_counter()
         self._load_weights(list(range(len(self.generators))), version, wait)
@@ -452,7 +459,7 @@ class Controller:
         self.dropped_stale = state["dropped_stale"]
         self.lost_rollouts = state["lost_rollouts"]
         self.run.keep_metrics_before(self.step)
-        self._publish(self.step, wait=True)
+        self.publish(self.step, wait=True)
         return True
 
     # ------------------------------------------------------------------ the loop
@@ -470,7 +477,7 @@ class Controller:
             chunk = demos[i * size : (i + 1) * size]
             self.trainers.sft_step.call([self.collator(chunk[r::world]).batch for r in range(world)]).get()
         self.trainers.start_rl.call().get()
-        self._publish(0, wait=True)
+        self.publish(0, wait=True)
 
     def train(self, progress: Progress) -> None:
         cfg = self.config
@@ -502,7 +509,7 @@ class Controller:
             lost = None
             try:
                 publish_wall = time.time()
-                timings = {"time/weight_sync": self._publish(self.step)}
+                timings = {"time/weight_sync": self.publish(self.step)}
                 self.timeline.append(_span("weights", publish_wall, time.time(), self.step - 1))
                 teacher_stats = self._teacher_round(fresh)
             except HostLost as exc:  # record the step trained before stopping, so resume has no gap

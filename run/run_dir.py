@@ -7,6 +7,8 @@ DIR/checkpoints/step_N/  complete when it holds COMPLETE (every file and folder 
                        directory (float32 master weights, tokenizer, chat template, generation config)
 DIR/final/             the finished run's model, exported in model.dtype (`meshrl export`)
 DIR/topology.json      every actor's role, rank, host, pid
+DIR/weights/step_V.safetensors  the policy generators read (`generator.weight_sync = filesystem`;
+                       only the newest version is kept, removed when the run ends)
 DIR/plots/*.png        reward, losses, throughput
 
 The trainer's rank 0 writes the checkpoint's files and the controller its marker, so on several
@@ -26,6 +28,7 @@ from typing import Any
 COMPLETE = "COMPLETE"
 RUN_OUTPUTS = (
     "checkpoints",
+    "weights",
     "metrics.jsonl",
     "timeline.jsonl",
     "plots",
@@ -110,6 +113,18 @@ class RunDir:
 
     def append_timeline(self, record: dict[str, Any]) -> None:
         _append_jsonl(self.timeline_path, record)
+
+    # ------------------------------------------------------------------ published weights
+
+    def weights_file(self, version: int) -> Path:
+        """Where policy `version` is published for generators to read (filesystem weight sync)."""
+        return self.root / "weights" / f"step_{version}.safetensors"
+
+    def prune_weights(self, keep: Path | None = None) -> None:
+        """Remove published weights no generator reads any more (all but `keep`)."""
+        for path in (self.root / "weights").glob("step_*.safetensors"):
+            if path != keep:
+                path.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -1,7 +1,7 @@
 """A model shaped like a real checkpoint — Qwen3 with tied embeddings, grouped-query attention,
 the Hermes chat template, bf16 compute — through real meshes: warm start, all three channels,
 FSDP2 over two ranks with a sharded DPO reference, RDMA weight sync, checkpoint, resume with
-tensor weight sync, and the exported model loaded back as a user would."""
+filesystem weight sync, and the exported model loaded back as a user would."""
 
 from __future__ import annotations
 
@@ -29,8 +29,9 @@ def test_qwen_shaped_model_trains_resumes_and_exports(tmp_path):
     out = tmp_path / "run"
     first = train(out, *QWEN, "--max-steps", "4", "--generator.weight_sync", "rdma")
     assert first.returncode == 0, first.stderr[-3000:]
-    resumed = train(out, *QWEN, "--max-steps", "6", "--generator.weight_sync", "tensors", "--resume")
+    resumed = train(out, *QWEN, "--max-steps", "6", "--generator.weight_sync", "filesystem", "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert not list((out / "weights").iterdir())  # published files are removed with the generators
 
     metrics = records(out)
     assert [r["step"] for r in metrics] == list(range(6))

@@ -18,7 +18,7 @@ import torch
 from test_train import ENV, MESHRL, REPO, SMALL, records
 
 from meshrl.configs import ConfigError, load_config
-from meshrl.topology.devices import proc_device, role_gpus
+from meshrl.topology.devices import cpu_threads, proc_device, role_gpus
 from meshrl.topology.worker import check_address, tls_env
 
 
@@ -244,3 +244,12 @@ def test_vllm_generators_need_exactly_one_gpu_each():
     with pytest.raises(ConfigError, match="gpus_per_proc = 1"):
         load_config(["--generator.backend", "vllm"])
     assert load_config(["--generator.backend", "vllm", "--topology.generator.gpus_per_proc", "1"])
+
+
+def test_cpu_processes_split_the_host_cores_between_generators_and_trainers(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert cpu_threads(load_config([]).topology) == 4  # one generator, one trainer
+    split = load_config(["--topology.generator.procs", "2", "--topology.trainer.procs", "2"]).topology
+    assert cpu_threads(split) == 2
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert cpu_threads(split) == 1  # never zero
