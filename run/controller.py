@@ -182,13 +182,13 @@ class Controller:
 
     def stop_for_lost_host(self, lost: HostLost) -> RunStopped:
         """Checkpoint if the trainers still can, and say which host was lost and where to resume."""
-        latest, pending = self.run.latest_checkpoint(), self.pending_checkpoint
+        latest = self.run.latest_checkpoint()
         try:
-            if (latest is None or latest.name != f"step_{self.step}") and (
-                pending is None or pending.step != self.step
-            ):
+            self.commit_checkpoint(wait=True)  # the write in flight may be this very step's
+            latest = self.run.latest_checkpoint()
+            if latest is None or latest.name != f"step_{self.step}":
                 self.save()
-            self.commit_checkpoint(wait=True)
+                self.commit_checkpoint(wait=True)
             saved = f"Saved checkpoint step {self.step};"
         except SupervisionError as exc:  # the trainers were on that host too
             saved = f"no checkpoint could be taken ({exc}); newest complete: {latest.name if latest else 'none'};"
