@@ -34,7 +34,9 @@ class GeneratorActor(Actor):
         if proc_device(config.topology, "generator", self.rank).type == "cpu":  # also refuses GPUs the host lacks
             torch.set_num_threads(cpu_threads(config.topology))
         engine = make_engine(g.backend, model_path, config.model.dtype, gpus)
-        episodes = EpisodeFormat(AutoTokenizer.from_pretrained(model_path), make_task(config.task))
+        episodes = EpisodeFormat(
+            AutoTokenizer.from_pretrained(model_path), make_task(config.task), config.model.tool_parser
+        )
         self.scheduler = EpisodeScheduler(
             engine, episodes, Sampling(g.temperature, g.top_p, g.max_new_tokens),
             max_episodes=g.max_concurrent_episodes, max_tokens=g.max_concurrent_tokens,

@@ -180,6 +180,41 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_keys_generate(args: argparse.Namespace) -> int:
+    from meshrl.ingress.keys import generate_keys
+
+    try:
+        public, secret = generate_keys(args.dir, args.name)
+    except ValueError as exc:
+        print(f"meshrl keys: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(f"public key: {public}  (share it: the controller's with workers, a worker's into ingress.authorized_keys)")
+    print(f"secret key: {secret}  (keep it on this machine only)")
+    return 0
+
+
+def _cmd_rollout_worker(args: argparse.Namespace) -> int:
+    import threading
+
+    from meshrl.ingress.client import IngressError, RolloutClient
+    from meshrl.ingress.worker import RolloutWorker
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        client = RolloutClient(args.connect, args.server_key, args.key, timeout_s=args.timeout_s, stop=stop)
+        worker = RolloutWorker(
+            client, max_groups=args.max_groups, max_episodes=args.max_episodes, max_tokens=args.max_tokens
+        )
+        stats = worker.run(stop)
+    except (IngressError, ValueError) as exc:  # a refused key, a bad key file
+        print(f"meshrl rollout-worker: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(f"rollout-worker stopped: leased {stats.leased} groups, verdicts {dict(stats.verdicts)}", flush=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="meshrl", description="RL post-training for agentic LLMs on Monarch actor meshes."
@@ -212,6 +247,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="let plain tcp bind a non-loopback address (no encryption, no authentication: trusted networks only)",
     )
     worker.set_defaults(func=_cmd_worker)
+
+    keys_help = "CURVE key pairs for the ingress (controller and rollout workers)"
+    keys_parser = sub.add_parser("keys", help=keys_help, description=keys_help)
+    keys_sub = keys_parser.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
+    generate = keys_sub.add_parser("generate", help="write NAME.key (public) and NAME.key_secret into DIR")
+    generate.add_argument("dir", metavar="DIR", help="folder to write the key pair into")
+    generate.add_argument("--name", required=True, help="file name of the pair (e.g. controller, worker-a)")
+    generate.set_defaults(func=_cmd_keys_generate)
+
+    rollout_help = "generate rollouts for a controller's ingress from outside its mesh (no Monarch, no shared FS)"
+    rollout = sub.add_parser("rollout-worker", help=rollout_help, description=rollout_help)
+    rollout.add_argument("--connect", required=True, help="the controller's ingress, tcp://HOST:PORT")
+    rollout.add_argument("--server-key", required=True, help="the controller's public key file (NAME.key)")
+    rollout.add_argument("--key", required=True, help="this worker's secret key file (NAME.key_secret)")
+    rollout.add_argument("--max-groups", type=int, default=2, help="groups leased at once (default 2)")
+    rollout.add_argument("--max-episodes", type=int, default=16, help="episodes run concurrently (default 16)")
+    rollout.add_argument("--max-tokens", type=int, default=65536, help="KV tokens held at once (default 65536)")
+    rollout.add_argument("--timeout-s", type=float, default=30.0, help="seconds to wait for each reply before retrying")
+    rollout.set_defaults(func=_cmd_rollout_worker)
 
     config = sub.add_parser("config", help="inspect run configs", description="inspect run configs")
     config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")

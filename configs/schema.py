@@ -87,6 +87,11 @@ class ModelConfig(Section):
     logprob_chunk_size: int = Field(
         1024, ge=16, description="Tokens per LM-head chunk when computing logprobs (bounds the logits memory)."
     )
+    tool_parser: Literal["hermes", "tiny", "llama3", "mistral"] = Field(
+        "hermes",
+        description="How sampled turns become tool calls: hermes (Hermes/Qwen <tool_call> JSON; tiny is the same "
+        "form), llama3 (JSON calls, <|python_tag|>), mistral ([TOOL_CALLS]).",
+    )
 
 
 # --------------------------------------------------------------------------- topology
@@ -339,6 +344,9 @@ class HfTeacher(Section):
     backend: Literal["hf"] = Field("hf", description="A local HF model.")
     name: str = Field(..., min_length=1, description="Teacher name recorded on mined pairs.")
     path: str = Field(..., min_length=1, description="Local HF model directory.")
+    tool_parser: Literal["hermes", "tiny", "llama3", "mistral"] = Field(
+        "hermes", description="The teacher's tool-call form (see model.tool_parser)."
+    )
 
 
 class OpenAITeacher(Section):
@@ -414,6 +422,46 @@ class MetricsConfig(Section):
 # --------------------------------------------------------------------------- run
 
 
+class IngressConfig(Section):
+    """Rollout workers outside the mesh (`meshrl rollout-worker`): CURVE-encrypted ZMQ, leases, verification."""
+
+    bind: str | None = Field(
+        None, description="Address the controller listens on for rollout workers, e.g. tcp://0.0.0.0:5555 (None = off)."
+    )
+    server_key: str | None = Field(
+        None, description="The controller's CURVE secret key file (NAME.key_secret from `meshrl keys generate`)."
+    )
+    authorized_keys: str | None = Field(
+        None, description="Folder of admitted workers' public key files (NAME.key); re-read at every handshake."
+    )
+    groups_per_step: int = Field(
+        2, ge=1, description="Of each step's task.prompts_per_step groups, how many are offered to outside workers."
+    )
+    lease_timeout_s: float = Field(
+        60.0, gt=0, description="Seconds a worker has to submit a leased group before it goes to the mesh's generators."
+    )
+    verify_fraction: float = Field(
+        0.25, ge=0, le=1, description="Fraction of each episode's sampled tokens re-scored with the claimed version."
+    )
+    verify_tolerance: float = Field(
+        0.05,
+        gt=0,
+        description="Largest mean |claimed - recomputed| logprob (nats) of an accepted episode's checked tokens.",
+    )
+    max_strikes: int = Field(
+        3, ge=1, description="Rejected submissions after which a worker key is banned for the run."
+    )
+    max_message_mb: float = Field(
+        16.0, gt=0, description="Largest request a worker may send; a bigger one is cut off at the transport."
+    )
+
+    @model_validator(mode="after")
+    def _keys_when_on(self) -> IngressConfig:
+        if self.bind is not None and (self.server_key is None or self.authorized_keys is None):
+            raise ValueError("ingress.bind is set: ingress.server_key and ingress.authorized_keys are needed too")
+        return self
+
+
 class RunConfig(Section):
     max_steps: int = Field(100, ge=1, description="Optimizer steps of the run.")
     output_dir: str = Field("runs/local", min_length=1, description="Where config, metrics, checkpoints and plots go.")
@@ -433,6 +481,7 @@ class RunConfig(Section):
     task: TaskConfig = Field(default_factory=TaskConfig, description="Prompts and verifier.")
     ckpt: CkptConfig = Field(default_factory=CkptConfig, description="Checkpointing.")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Metric sinks and display.")
+    ingress: IngressConfig = Field(default_factory=IngressConfig, description="Rollout workers outside the mesh.")
 
     @model_validator(mode="after")
     def _resume_or_overwrite(self) -> RunConfig:
@@ -447,6 +496,14 @@ class RunConfig(Section):
         gpus = self.topology.generator.gpus_per_proc
         if self.generator.backend == "vllm" and gpus != 1:
             raise ValueError(f"generator.backend = 'vllm' needs topology.generator.gpus_per_proc = 1 (got {gpus})")
+        return self
+
+    @model_validator(mode="after")
+    def _ingress_share(self) -> RunConfig:
+        if self.ingress.bind is not None and self.ingress.groups_per_step > self.task.prompts_per_step:
+            raise ValueError(
+                f"ingress.groups_per_step {self.ingress.groups_per_step} > task.prompts_per_step {self.task.prompts_per_step}"
+            )
         return self
 
     @model_validator(mode="before")

@@ -1,41 +1,139 @@
-"""Assistant completion text back to a chat message: the inverse of the tiny chat template.
+"""Assistant completion text back to a chat message: tool-call parsers, one per chat-template family.
 
-The template renders an assistant turn as its content followed by one
-`\\n<tool_call>{"name": ..., "arguments": {...}}</tool_call>` block per call, so a sampled
-completion (without its end token) is split the same way. A block the model botched
-(bad JSON, not `{"name": str, "arguments": object}`, or never closed) still counts as a
-call, named `<malformed>` with no arguments: the task answers it with an error result the
-model can learn from, where an exception would end the episode.
+Which parser a run uses is `model.tool_parser` (the family of the policy's chat template):
 
-Text between or after blocks is not part of the template's form and is dropped; content
-that itself contains `<tool_call>` cannot round-trip.
+- `hermes` (Hermes, Qwen2.5/Qwen3, and the tiny template, which writes the same form): the content,
+  then one `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` block per call (Qwen puts the
+  JSON on lines of its own). `tiny` names the same parser.
+- `llama3` (Llama 3.1-3.3 JSON tool calling): the whole turn is `{"name": ..., "parameters": {...}}`,
+  optionally after `<|python_tag|>`, several calls separated by `;`; such a turn has no content.
+- `mistral`: the content, then `[TOOL_CALLS]` and either a JSON list of `{"name", "arguments"}`
+  (v3 tokenizers) or `name[ARGS]{...}` per call (v11+ tokenizers).
+
+A call the model botched (bad JSON, no string name, arguments that are not an object, a block
+never closed) still counts as a call, named `<malformed>` with no arguments: the task answers it
+with an error result the model can learn from, where an exception would end the episode. Text
+after the calls is not part of any template's form and is dropped.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from transformers import PreTrainedTokenizerBase
 
 MALFORMED = "<malformed>"
 
-_BLOCK = re.compile(r"\n?<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
+
+class ParsedTurn(NamedTuple):
+    content: str
+    tool_calls: list[dict[str, Any]]  # OpenAI form, ids call_0, call_1, ...
 
 
-def _call(index: int, body: str) -> dict[str, Any]:
-    try:
-        parsed = json.loads(body)
-    except ValueError:
-        parsed = None
-    well_formed = (
-        isinstance(parsed, dict) and isinstance(parsed.get("name"), str) and isinstance(parsed.get("arguments"), dict)
-    )
-    name, arguments = (parsed["name"], parsed["arguments"]) if well_formed else (MALFORMED, {})
+def _call(index: int, parsed: Any, arguments_key: str = "arguments") -> dict[str, Any]:
+    arguments = parsed.get(arguments_key) if isinstance(parsed, dict) else None
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            arguments = None
+    well_formed = isinstance(parsed, dict) and isinstance(parsed.get("name"), str) and isinstance(arguments, dict)
+    name, arguments = (parsed["name"], arguments) if well_formed else (MALFORMED, {})
     return {"id": f"call_{index}", "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
-    """Content and OpenAI-style tool calls (ids `call_0`, `call_1`, ...) of one assistant completion."""
-    blocks = list(_BLOCK.finditer(text))
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+_HERMES_BLOCK = re.compile(r"\n?<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
+
+
+def parse_hermes(text: str) -> ParsedTurn:
+    blocks = list(_HERMES_BLOCK.finditer(text))
     content = text[: blocks[0].start()] if blocks else text
-    return content, [_call(i, block.group(1)) for i, block in enumerate(blocks)]
+    return ParsedTurn(content, [_call(i, _loads(block.group(1))) for i, block in enumerate(blocks)])
+
+
+_PYTHON_TAG = "<|python_tag|>"
+
+
+def parse_llama3(text: str) -> ParsedTurn:
+    body = text.strip()
+    tagged = body.startswith(_PYTHON_TAG)
+    body = body.removeprefix(_PYTHON_TAG).strip()
+    if not body.startswith("{"):
+        return ParsedTurn("", [_call(0, None)]) if tagged else ParsedTurn(text, [])
+    calls, decoder, rest = [], json.JSONDecoder(), body
+    while rest:
+        try:
+            parsed, end = decoder.raw_decode(rest)
+        except ValueError:
+            calls.append(_call(len(calls), None))
+            break
+        key = "parameters" if isinstance(parsed, dict) and "parameters" in parsed else "arguments"
+        calls.append(_call(len(calls), parsed, key))
+        rest = rest[end:].lstrip()
+        if not rest.startswith(";"):
+            break
+        rest = rest[1:].lstrip()
+    return ParsedTurn("", calls)
+
+
+_MISTRAL_CALLS, _MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+
+def parse_mistral(text: str) -> ParsedTurn:
+    if _MISTRAL_CALLS not in text:
+        return ParsedTurn(text, [])
+    content, _, rest = text.partition(_MISTRAL_CALLS)
+    rest = rest.strip()
+    if rest.startswith("["):  # v3: one JSON list of calls
+        try:
+            parsed, _ = json.JSONDecoder().raw_decode(rest)
+        except ValueError:
+            parsed = None
+        items = parsed if isinstance(parsed, list) and parsed else [None]
+        return ParsedTurn(content.rstrip(), [_call(i, item) for i, item in enumerate(items)])
+    calls = []  # v11+: name[ARGS]{...}, repeated after further [TOOL_CALLS]
+    for chunk in rest.split(_MISTRAL_CALLS):
+        name, found, arguments = chunk.partition(_MISTRAL_ARGS)
+        parsed = {"name": name.strip(), "arguments": _loads(arguments.strip())} if found else None
+        calls.append(_call(len(calls), parsed))
+    return ParsedTurn(content.rstrip(), calls)
+
+
+class ToolParser(NamedTuple):
+    parse: Callable[[str], ParsedTurn]
+    markers: tuple[str, ...]  # special tokens the parser reads, kept when a completion is decoded
+
+
+PARSERS: dict[str, ToolParser] = {
+    "hermes": ToolParser(parse_hermes, ()),
+    "tiny": ToolParser(parse_hermes, ()),
+    "llama3": ToolParser(parse_llama3, (_PYTHON_TAG,)),
+    "mistral": ToolParser(parse_mistral, (_MISTRAL_CALLS, _MISTRAL_ARGS)),
+}
+
+
+def parse_tool_calls(text: str, parser: str = "hermes") -> ParsedTurn:
+    """Content and OpenAI-style tool calls of one decoded assistant completion."""
+    return PARSERS[parser].parse(text)
+
+
+def decode_turn(tokenizer: PreTrainedTokenizerBase, ids: list[int], parser: str = "hermes") -> ParsedTurn:
+    """Parse sampled ids: decoded without special tokens, except the markers the parser reads
+    (Mistral's `[TOOL_CALLS]` and Llama's `<|python_tag|>` are special tokens in their vocabularies)."""
+    markers = PARSERS[parser].markers
+    text = tokenizer.decode(ids, skip_special_tokens=not markers)
+    if markers:
+        for token in tokenizer.all_special_tokens:
+            if token not in markers:
+                text = text.replace(token, "")
+    return parse_tool_calls(text, parser)

@@ -14,8 +14,8 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from meshrl.inference.completion import Completion
-from meshrl.inference.toolcalls import parse_tool_calls
-from meshrl.tasks.base import Prompt, Task, ToolResult
+from meshrl.inference.toolcalls import decode_turn
+from meshrl.tasks.base import Prompt, Task, ToolResult, task_tools
 from meshrl.traces.collator import TraceCollator
 
 
@@ -51,13 +51,16 @@ class EpisodeFormat:
     so both build the same rollouts from the same completions.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, task: Task) -> None:
-        self.tokenizer, self.task = tokenizer, task
-        self.footer = TraceCollator(tokenizer).footer  # the end-of-turn marker the engine stops on
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, task: Task, tool_parser: str = "hermes") -> None:
+        self.tokenizer, self.task, self.tool_parser = tokenizer, task, tool_parser
+        self.tools = task_tools(task)  # rendered by the chat template (e.g. Hermes' system turn)
+        self.footer = TraceCollator(tokenizer, tools=self.tools).footer  # the end-of-turn marker the engine stops on
         self.stop_ids = [tokenizer.convert_tokens_to_ids(self.footer)] if self.footer else []
 
     def _render(self, messages: list[dict[str, Any]], generation_prompt: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        return self.tokenizer.apply_chat_template(
+            messages, tools=self.tools, tokenize=False, add_generation_prompt=generation_prompt
+        )
 
     def _ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -77,8 +80,7 @@ class EpisodeFormat:
         rollout.logprobs += completion.logprobs
         rollout.versions += completion.versions
         rollout.finish_reason = completion.finish_reason
-        text = self.tokenizer.decode(completion.completion_ids, skip_special_tokens=True)
-        content, calls = parse_tool_calls(text)
+        content, calls = decode_turn(self.tokenizer, completion.completion_ids, self.tool_parser)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = calls

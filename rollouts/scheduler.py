@@ -157,10 +157,16 @@ class EpisodeScheduler:
         with self._cond:
             self._closed = True
             self._cond.notify()
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.loop.call_soon_threadsafe(self._stop_loop)
         for thread in self._threads:
             thread.join(timeout=10)
         self._tools.shutdown(wait=False, cancel_futures=True)
+
+    def _stop_loop(self) -> None:
+        """Cancel the episodes still running or queued (their groups are abandoned), then stop."""
+        for task in asyncio.all_tasks(self.loop):
+            task.cancel()
+        self.loop.stop()
 
     def _raise(self) -> None:
         if self.error is not None:

@@ -33,16 +33,19 @@ from meshrl.actors.teacher import TeacherActor, TeacherAnswers
 from meshrl.actors.trainer import TrainerActor
 from meshrl.configs.loader import ConfigError, to_toml
 from meshrl.configs.schema import RunConfig
+from meshrl.ingress.protocol import Spec
+from meshrl.ingress.server import IngressServer, model_files
+from meshrl.ingress.verify import Scorer, Verifier
 from meshrl.models.tiny import ensure_tiny
 from meshrl.rollouts.advantages import group_advantages
 from meshrl.rollouts.batches import aux_shards, rl_shards, rollout_trace
-from meshrl.rollouts.episodes import Rollout, fresh_rollouts
+from meshrl.rollouts.episodes import EpisodeFormat, Rollout, fresh_rollouts
 from meshrl.rollouts.scheduler import FinishedGroup, GroupRequest
 from meshrl.run.export import export_model
 from meshrl.run.plots import plot
 from meshrl.run.progress import Progress
 from meshrl.run.run_dir import RunDir, write_atomic
-from meshrl.tasks.base import make_task
+from meshrl.tasks.base import make_task, task_tools
 from meshrl.topology.faults import HostLost, RunStopped, SupervisionError, install_fault_hook
 from meshrl.topology.placement import Placement
 from meshrl.topology.pool import ActorPool
@@ -55,10 +58,10 @@ from meshrl.traces.schema import TraceExample
 @dataclass
 class GroupSlot:
     """A requested group not yet back: the step it is for, the generator rank and actor asked
-    (a replaced rank has a new one), and its rollouts."""
+    (a replaced rank has a new one; None while offered to outside workers), and its rollouts."""
 
     step: int
-    rank: int
+    rank: int | None
     actor: Any
     samples: int
 
@@ -110,7 +113,9 @@ class Controller:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.task = make_task(config.task)
         hint = getattr(self.task, "hint", None)
-        self.collator = TraceCollator(self.tokenizer, hint_generator=hint if config.loss.sdpo.weight > 0 else None)
+        self.collator = TraceCollator(
+            self.tokenizer, hint_generator=hint if config.loss.sdpo.weight > 0 else None, tools=task_tools(self.task)
+        )
         self.data_rng = random.Random(config.seed)  # prompts
         self.seed_rng = random.Random(config.seed + 1)  # generator sampling seeds
         self.teacher_rng = random.Random(config.seed + 3)  # offline states for the teachers
@@ -121,6 +126,7 @@ class Controller:
         self.pulls: dict[int, Any] = {}  # generator rank -> its pending weight load
         self.pending_checkpoint: PendingCheckpoint | None = None
         self.groups_asked = 0
+        self.dealt = 0  # groups handed to the mesh's generators (round-robin)
         self.pairs: list[DpoPair] = []
         self.dropped_stale = 0
         self.lost_rollouts = 0  # in flight on a generator that died
@@ -130,6 +136,8 @@ class Controller:
         self.teacher_latest: dict[int, dict[str, float]] = {}  # teacher rank -> its live actor's counters
         self.offline_states = self._offline_states()
         self.timeline: list[dict[str, Any]] = []  # this step's spans (see `_span`)
+        self.ingress: IngressServer | None = None
+        self.ingress_version = -1  # newest policy version handed to the ingress
 
     # ------------------------------------------------------------------ meshes
 
@@ -154,8 +162,32 @@ class Controller:
             )
             self.actors += self.teachers.infos()
         self.run.write_topology(self.actors)
+        if self.config.ingress.bind is not None:
+            self.ingress = self._start_ingress()
+
+    def _start_ingress(self) -> IngressServer:
+        """Listen for rollout workers; their submissions are verified against this run's task and
+        the policy versions the ingress keeps."""
+        cfg, g = self.config, self.config.generator
+        spec = Spec(
+            task_import_path=cfg.task.import_path, task_kwargs=cfg.task.kwargs, temperature=g.temperature,
+            top_p=g.top_p, max_new_tokens=g.max_new_tokens, dtype=cfg.model.dtype,
+            tool_parser=cfg.model.tool_parser, model_files=model_files(self.model_path),
+        )  # fmt: skip
+        holder: list[IngressServer] = []
+        scorer = Scorer(self.model_path, cfg.model.dtype, g.temperature, lambda v: holder[0].weights_path(v))
+        verifier = Verifier(
+            EpisodeFormat(self.tokenizer, make_task(cfg.task), cfg.model.tool_parser), scorer,
+            max_new_tokens=g.max_new_tokens,
+            fraction=cfg.ingress.verify_fraction, tolerance=cfg.ingress.verify_tolerance,
+        )  # fmt: skip
+        holder.append(IngressServer(cfg.ingress, spec, verifier))
+        print(f"ingress: listening on {holder[0].address}")
+        return holder[0]
 
     def shutdown(self) -> None:
+        if self.ingress is not None:
+            self.ingress.close()
         for pool in (getattr(self, "generators", None), getattr(self, "teachers", None)):
             if pool is not None:
                 pool.stop()
@@ -230,22 +262,36 @@ class Controller:
         g = self.config.generator
         before = self._streams()
         prompts = self.task.sample_prompts(self.data_rng, self.config.task.prompts_per_step)
-        by_rank: dict[int, list[GroupRequest]] = {}
-        keys = []
+        groups = []
         for prompt in prompts:
-            rank = self.groups_asked % len(self.generators)
             key = f"{step}/{self.groups_asked}"
             self.groups_asked += 1
             seed = self.seed_rng.randrange(2**31)
-            by_rank.setdefault(rank, []).append(
+            groups.append(
                 GroupRequest(key, prompt, g.samples_per_prompt, seed, min_version=max(0, step - g.max_async_level))
             )
-            self.slots[key] = GroupSlot(step, rank, self.generators[rank], g.samples_per_prompt)
-            keys.append(key)
-        self.requests[step] = StepRequest(keys, before)
-        for rank, groups in by_rank.items():
+        self.requests[step] = StepRequest([group.key for group in groups], before)
+        if self.ingress is not None:  # the step's first groups are offered to outside workers
+            offered, groups = (
+                groups[: self.config.ingress.groups_per_step],
+                groups[self.config.ingress.groups_per_step :],
+            )
+            for group in offered:
+                self.slots[group.key] = GroupSlot(step, None, None, group.samples)
+            self.ingress.offer(step, offered)
+        self._deal(step, groups)
+
+    def _deal(self, step: int, groups: list[GroupRequest]) -> None:
+        """Hand groups round-robin to the mesh's generators."""
+        by_rank: dict[int, list[GroupRequest]] = {}
+        for group in groups:
+            rank = self.dealt % len(self.generators)
+            self.dealt += 1
+            by_rank.setdefault(rank, []).append(group)
+            self.slots[group.key] = GroupSlot(step, rank, self.generators[rank], group.samples)
+        for rank, rank_groups in by_rank.items():
             try:
-                self.generators[rank].submit.call_one(groups).get()
+                self.generators[rank].submit.call_one(rank_groups).get()
             except SupervisionError:
                 self._generator_died(rank)
 
@@ -264,7 +310,38 @@ class Controller:
         request = self.requests[step]
         while any(key in self.slots for key in request.keys):
             self._poll(wait_s=0.01)
+            if self.ingress is not None:
+                self._poll_ingress(step)
         return self.requests.pop(step)
+
+    def _poll_ingress(self, step: int) -> None:
+        """Take the verified outside groups; what the ingress gives back (offers of this step
+        nobody leased, expired leases, rejected submissions) the mesh's generators run."""
+        for group in self.ingress.collect():
+            self._arrived(group, "ingress")
+        by_step: dict[int, list[GroupRequest]] = {}
+        for group in self.ingress.reclaim(step):
+            if group.key in self.slots:
+                by_step.setdefault(self.slots[group.key].step, []).append(group)
+        for slot_step, groups in sorted(by_step.items()):
+            self._deal(slot_step, groups)
+
+    def _arrived(self, group: FinishedGroup, lane: str) -> None:
+        """A finished group joins its step's request (unless its slot was dropped meanwhile)."""
+        slot = self.slots.pop(group.key, None)
+        if slot is not None:
+            self.requests[slot.step].groups.append(group)
+            self.timeline.append(_span(lane, group.started, group.finished, slot.step))
+
+    def _ingress_stats(self, fresh: list[Rollout]) -> dict[str, float]:
+        """The ingress counters, the outside rollouts this step trained on and their mean reward
+        (a worker that cherry-picks samples shows as a gap to the mesh's)."""
+        external = [r for r in fresh if "worker" in r.info]
+        return {
+            **self.ingress.stats(),
+            "rollouts/external": float(len(external)),
+            "reward/external": sum(r.reward for r in external) / len(external) if external else float("nan"),
+        }
 
     def _poll(self, wait_s: float) -> None:
         for rank in range(len(self.generators)):
@@ -279,10 +356,7 @@ class Controller:
                 continue
             del self.takes[rank]
             for group in groups:
-                slot = self.slots.pop(group.key, None)
-                if slot is not None:
-                    self.requests[slot.step].groups.append(group)
-                    self.timeline.append(_span(f"generator {rank}", group.started, group.finished, slot.step))
+                self._arrived(group, f"generator {rank}")
 
     def _generator_died(self, rank: int) -> None:
         """Count the rank's groups in flight as lost, and replace it (once, however many calls
@@ -335,12 +409,24 @@ class Controller:
                 self._generator_died(rank)
 
     def publish(self, version: int, wait: bool = False) -> float:
-        """The new policy to every generator; returns the seconds the controller spent on it."""
+        """The new policy to every generator (and to the ingress, for outside workers and the
+        verifier); returns the seconds the controller spent on it."""
         start = time.perf_counter()
         self._load_weights(list(range(len(self.generators))), version, wait)
+        self._publish_ingress(version)
         if wait:
             self._settle_pulls()
         return time.perf_counter() - start
+
+    def _publish_ingress(self, version: int) -> None:
+        """Trainer rank 0 writes the version's safetensors file into the ingress's folder (a
+        filesystem the controller shares, as for checkpoints); the ingress serves it in chunks."""
+        if self.ingress is None or version == self.ingress_version:
+            return
+        path = self.run.root / "ingress" / f"step_{version}.safetensors"
+        self.trainers.policy_weights_file.call(str(path)).get()
+        self.ingress.publish(version, path)
+        self.ingress_version = version
 
     # ------------------------------------------------------------------ teachers
 
@@ -430,6 +516,7 @@ class Controller:
             "dropped_stale": self.dropped_stale,
             "lost_rollouts": self.lost_rollouts,
             "teacher_cache": str(self.run.root / "teacher_cache.jsonl"),
+            "ingress": self.ingress.state() if self.ingress is not None else {},
         }
         self.pending_checkpoint = PendingCheckpoint(staging, self.step, state, start)
         self.timeline.append(_span("checkpoint", start, time.time(), self.step - 1))
@@ -458,6 +545,8 @@ class Controller:
         self.pairs = [DpoPair.model_validate(p) for p in state["pairs"]]
         self.dropped_stale = state["dropped_stale"]
         self.lost_rollouts = state["lost_rollouts"]
+        if self.ingress is not None:
+            self.ingress.restore(state.get("ingress", {}))
         self.run.keep_metrics_before(self.step)
         self.publish(self.step, wait=True)
         return True
@@ -482,6 +571,7 @@ class Controller:
     def train(self, progress: Progress) -> None:
         cfg = self.config
         world = cfg.topology.trainer.size
+        self._publish_ingress(self.step)  # no warm start and no resume: the initial weights
         while self.step < cfg.max_steps:
             step_start = time.perf_counter()
             self.timeline = []
@@ -533,6 +623,7 @@ class Controller:
                 **{k: v for k, v in metrics.items()},
                 **{f"collate/{k}": v for k, v in asdict(aux.stats).items()},
                 **teacher_stats,
+                **(self._ingress_stats(fresh) if self.ingress is not None else {}),
                 "rollout_tokens_per_s": len(sampled) / max(gen_seconds, 1e-9),
                 "train_tokens_per_s": rl.tokens / max(train_seconds, 1e-9),
                 "time/step": time.perf_counter() - step_start,

@@ -53,6 +53,36 @@ class Task(Protocol):
         """Score a finished episode (the full conversation) in [0, 1]."""
 
 
+# A task may declare its tools as `tools`: OpenAI function schemas
+# ({"type": "function", "function": {"name", "description", "parameters"}}). They reach the chat
+# template (`apply_chat_template(tools=...)`: Hermes/Qwen put them in the system turn) wherever an
+# episode is rendered, and OpenAI-compatible teachers, which then answer with native tool calls.
+
+
+def task_tools(task: Any) -> list[dict[str, Any]] | None:
+    """The task's tool schemas, checked (None when it declares none)."""
+    tools = getattr(task, "tools", None)
+    if not tools:
+        return None
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if (
+            not isinstance(function, dict)
+            or tool.get("type") != "function"
+            or not isinstance(function.get("name"), str)
+        ):
+            raise ValueError(
+                f"{type(task).__name__}.tools[{i}] is not an OpenAI function schema "
+                '{"type": "function", "function": {"name": ..., "parameters": {...}}}'
+            )
+    return list(tools)
+
+
+# A task may set `replayable_tools = False` when its tools cannot be run twice with the same
+# result (a sandbox with side effects): the ingress then takes tool turns of outside workers
+# from their messages instead of replaying them (README "Decentralized rollouts").
+
+
 @runtime_checkable
 class Demonstrating(Protocol):
     """Tasks that can show a correct episode (for warm start) and answer as an oracle teacher."""

@@ -72,6 +72,17 @@ def _asked_keys(messages: list[dict[str, Any]]) -> list[str]:
 class ToolTask:
     """Key-value lookup with one tool; all randomness comes from the rng passed in."""
 
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": LOOKUP,
+                "description": "The value stored under a key.",
+                "parameters": {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]},
+            },
+        }
+    ]
+
     def __init__(
         self,
         n_keys: int = 4,

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from meshrl.configs.schema import HfTeacher as HfTeacherConfig
 from meshrl.inference.hf_engine import HFEngine
-from meshrl.inference.toolcalls import parse_tool_calls
+from meshrl.inference.toolcalls import decode_turn
 from meshrl.teachers.base import Message, TeacherStats, chat_messages, parse_action
 
 log = logging.getLogger(__name__)
@@ -43,16 +43,22 @@ class HFTeacher:
 
 
 def hf_generate_fn(
-    path: str, device: str = "cpu", max_new_tokens: int = 128
+    path: str,
+    device: str = "cpu",
+    max_new_tokens: int = 128,
+    *,
+    tools: list[dict[str, Any]] | None = None,
+    tool_parser: str = "hermes",
 ) -> Callable[[list[Message]], Message | None]:
-    """Greedy next assistant turn from a local HF model through its own chat template."""
+    """Greedy next assistant turn from a local HF model through its own chat template (with the
+    task's tool schemas) and tool-call form."""
     engine = HFEngine.from_pretrained(path, device=device)
     tokenizer = AutoTokenizer.from_pretrained(path)
 
     def generate(messages: list[Message]) -> Message | None:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+        ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, return_dict=False)
         (completion,) = engine.generate([list(ids)], temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens)
-        content, calls = parse_tool_calls(tokenizer.decode(completion.completion_ids, skip_special_tokens=True))
+        content, calls = decode_turn(tokenizer, completion.completion_ids, tool_parser)
         return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
 
     return generate

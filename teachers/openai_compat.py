@@ -7,6 +7,7 @@ logged, cached or counted.
 from __future__ import annotations
 
 import email.utils
+import hashlib
 import json
 import logging
 import math
@@ -48,7 +49,8 @@ def retry_after_s(value: str | None, now: datetime | None = None) -> float | Non
 
 
 class OpenAITeacher:
-    """A chat-completions endpoint answering greedily (temperature 0).
+    """A chat-completions endpoint answering greedily (temperature 0), with the task's `tools`
+    (OpenAI function schemas) in each request when it declares any.
 
     Timeouts, connection errors, 429 and 5xx are retried `cfg.max_retries` times with
     exponential backoff (`backoff_s`, doubling); a 429 or 503 with a `Retry-After` header waits
@@ -63,6 +65,7 @@ class OpenAITeacher:
         client: httpx.Client | None = None,
         *,
         meter: CostMeter | None = None,
+        tools: list[dict[str, Any]] | None = None,
         backoff_s: float = 0.5,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
@@ -71,8 +74,11 @@ class OpenAITeacher:
         self.cfg = cfg
         self.name = cfg.name
         self.identity = f"openai:{cfg.base_url.rstrip('/')}:{cfg.model}"
+        if tools:  # answers depend on the tools offered: cached apart
+            self.identity += ":tools=" + hashlib.sha256(json.dumps(tools, sort_keys=True).encode()).hexdigest()[:16]
         self.stats = TeacherStats()
         self.meter = meter or CostMeter(math.inf)
+        self.tools = tools
         self.backoff_s = backoff_s
         self.sleep = sleep
         self._owns_client = client is None
@@ -93,7 +99,10 @@ class OpenAITeacher:
             self.stats.add(skipped_budget=1)
             return None
         self.stats.add(calls=1)
-        response = self._post({"model": self.cfg.model, "messages": _wire(state_messages), "temperature": 0})
+        payload = {"model": self.cfg.model, "messages": _wire(state_messages), "temperature": 0}
+        if self.tools:  # the endpoint then answers with native tool_calls
+            payload["tools"] = self.tools
+        response = self._post(payload)
         if response is None or not response.is_success:
             self.stats.add(failures=1)
             return None

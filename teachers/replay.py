@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from meshrl.configs.schema import RunConfig
-from meshrl.tasks.base import make_task
+from meshrl.tasks.base import make_task, task_tools
 from meshrl.teachers.base import Message, Teacher, chat_messages
 from meshrl.teachers.cache import TeacherCache, cache_key
 from meshrl.teachers.cost import CostMeter
@@ -104,15 +104,16 @@ def _ask(teacher: Teacher, messages: list[Message], context: dict[str, Any] | No
 
 def make_teachers(config: RunConfig, meter: CostMeter, device: str = "cpu") -> list[Teacher]:
     """The run's `teachers.members`; paid endpoints share `meter` (at `teachers.usd_ceiling`)."""
-    task = None
+    task = make_task(config.task)
+    tools = task_tools(task)  # model teachers see the tools the policy sees, and answer with native calls
     teachers: list[Teacher] = []
     for spec in config.teachers.members:
         if spec.backend == "openai":
-            teachers.append(OpenAITeacher(spec, meter=meter))
+            teachers.append(OpenAITeacher(spec, meter=meter, tools=tools))
         elif spec.backend == "hf":
-            teachers.append(HFTeacher(spec, hf_generate_fn(spec.path, device)))
+            generate = hf_generate_fn(spec.path, device, tools=tools, tool_parser=spec.tool_parser)
+            teachers.append(HFTeacher(spec, generate))
         else:
-            task = task or make_task(config.task)
             teachers.append(OracleTeacher(task, name=spec.name))
     return teachers
 

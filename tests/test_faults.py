@@ -33,15 +33,22 @@ class _BadEndpoint(BaseHTTPRequestHandler):
         pass
 
 
-def _wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
+def _wait_for(out: Path, proc: subprocess.Popen, what: str, seen, timeout: float = 240) -> list[dict]:
+    """The run's records once `seen(records)` holds; fails if the run ends or time runs out first."""
     deadline = time.time() + timeout
     while True:
         metrics = out / "metrics.jsonl"
-        if metrics.exists() and len(metrics.read_text().splitlines()) > step:
-            return
-        assert proc.poll() is None, f"the run ended before step {step}: rc {proc.returncode}"
-        assert time.time() < deadline, f"no step {step} within {timeout} s"
+        lines = metrics.read_text().splitlines() if metrics.exists() else []
+        found = [json.loads(line) for line in lines if line.endswith("}")]  # a line being written is skipped
+        if seen(found):
+            return found
+        assert proc.poll() is None, f"the run ended before {what}: rc {proc.returncode}"
+        assert time.time() < deadline, f"no {what} within {timeout} s"
         time.sleep(0.2)
+
+
+def _wait_for_step(out: Path, step: int, proc: subprocess.Popen) -> None:
+    _wait_for(out, proc, f"step {step}", lambda found: len(found) > step)
 
 
 def _pid(out: Path, role: str) -> int:
@@ -58,17 +65,21 @@ def test_killed_generator_and_teacher_and_bad_endpoints_do_not_stop_training(tmp
                {**bad, "name": "hangs", "base_url": f"{url}/hang/v1"},
                {**bad, "name": "garbage", "base_url": f"{url}/garbage/v1"}]  # fmt: skip
     out = tmp_path / "run"
-    # Steps of this model take ~50 ms and never wait for teachers, so the run is long enough for
-    # both deaths to be noticed and a round with the hanging endpoint (0.3 s) to come back after.
+    # Steps never wait for teachers; each waits 0.15 s for its prompts, so the 60 steps outlast
+    # noticing both deaths, spawning the replacements and the replacement teacher's first round
+    # (a round with the hanging endpoint takes 0.3 s). Unpaced steps of this model take ~50 ms: the
+    # run could end before a replacement answered.
     args = [*MESHRL, "train", *SMALL, "--output-dir", str(out), "--max-steps", "60", "--ckpt.interval", "100",
-            "--teachers.members", json.dumps(members), "--teachers.states_per_step", "2"]  # fmt: skip
+            "--teachers.members", json.dumps(members), "--teachers.states_per_step", "2",
+            "--task.kwargs", '{"prompt_delay_s": 0.15}']  # fmt: skip
     log = (tmp_path / "train.log").open("w")
     proc = subprocess.Popen(args, cwd=REPO, env=ENV, stdout=log, stderr=subprocess.STDOUT)
     try:
         _wait_for_step(out, 1, proc)
         generator, teacher = _pid(out, "generator"), _pid(out, "teacher")
         os.kill(generator, signal.SIGKILL)
-        _wait_for_step(out, 3, proc)
+        # The teacher dies once it has answered a round (its failures are then counted).
+        _wait_for(out, proc, "a teacher round", lambda found: found and "teacher/failures" in found[-1])
         os.kill(teacher, signal.SIGKILL)
         assert proc.wait(timeout=240) == 0, (tmp_path / "train.log").read_text()[-3000:]
     finally:
@@ -105,7 +116,7 @@ def test_killed_controller_reattaches_and_a_lost_host_stops_then_resumes(tmp_pat
         "--output-dir",
         str(out),
         "--max-steps",
-        "8",
+        "30",
         "--ckpt.interval",
         "2",
         "--topology.mode",
@@ -114,7 +125,9 @@ def test_killed_controller_reattaches_and_a_lost_host_stops_then_resumes(tmp_pat
         json.dumps(addresses),
         "--topology.generator.hosts",
         "2",
-    ]  # fmt: skip  (generator rank 1 on the second host)
+        "--task.kwargs",
+        '{"prompt_delay_s": 0.3}',
+    ]  # fmt: skip  (generator rank 1 on the second host; paced steps: the run outlasts noticing the lost host)
     try:
         time.sleep(2)
         # The controller SIGKILLed after a checkpoint: the workers live on, and a new controller resumes on them.
@@ -138,7 +151,7 @@ def test_killed_controller_reattaches_and_a_lost_host_stops_then_resumes(tmp_pat
         time.sleep(2)
         result = subprocess.run([*args, "--resume"], capture_output=True, text=True, timeout=240, cwd=REPO, env=ENV)
         assert result.returncode == 0, result.stderr[-3000:]
-        assert [r["step"] for r in records(out)] == list(range(8))
+        assert [r["step"] for r in records(out)] == list(range(30))
     finally:
         for w in workers:
             lose_host(w)

@@ -22,7 +22,8 @@ from meshrl.actors.teacher import TeacherActor
 from meshrl.configs import load_config
 from meshrl.configs.schema import HfTeacher as HfTeacherConfig
 from meshrl.configs.schema import OpenAITeacher as OpenAITeacherConfig
-from meshrl.tasks.base import Prompt, ToolResult
+from meshrl.tasks.base import Prompt, ToolResult, task_tools
+from meshrl.tasks.toy import ToolTask
 from meshrl.teachers.base import TeacherStats, chat_messages
 from meshrl.teachers.cache import TeacherCache, cache_key
 from meshrl.teachers.cost import CostMeter
@@ -202,6 +203,17 @@ def test_answer_is_parsed_and_the_request_is_greedy_authorised_and_in_wire_form(
         {"role": "tool", "content": "/work", "tool_call_id": "toolu_1"},
     ]
     assert teacher.stats == TeacherStats(calls=1, usd_spent=0.0)
+
+
+def test_the_tasks_tool_schemas_are_sent_and_native_calls_read(endpoint, client):
+    tools = task_tools(ToolTask())
+    cfg = make_teacher(endpoint, client).cfg
+    teacher = OpenAITeacher(cfg, client, tools=tools)
+    assert teacher.act(STATE, None) == LS_ACTION  # native tool_calls, arguments a JSON string
+    assert endpoint.requests[0]["body"]["tools"] == tools
+    make_teacher(endpoint, client).act(STATE, None)
+    assert "tools" not in endpoint.requests[1]["body"]  # a task without tools sends none
+    assert OpenAITeacher(cfg, client).identity != teacher.identity  # answers with and without tools cached apart
 
 
 def test_no_key_env_sends_no_authorization(endpoint, client):

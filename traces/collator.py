@@ -78,7 +78,8 @@ class TraceCollator:
     `hint_generator(error_kind, error_meta) -> hint text | None` turns on SDPO rows (one per
     error site); `pack_tokens` packs RL rows first-fit-decreasing into rows of at most that
     many tokens with per-sample position ids (else rows are right-padded with an attention
-    mask); `max_seq_len` truncates (see the module docstring).
+    mask); `max_seq_len` truncates (see the module docstring); `tools` (OpenAI function schemas,
+    the task's) are rendered by the chat template as they were when the policy sampled.
     """
 
     def __init__(
@@ -89,6 +90,7 @@ class TraceCollator:
         max_seq_len: int | None = None,
         pack_tokens: int | None = None,
         hint_role: str = "user",
+        tools: list[dict[str, Any]] | None = None,
     ) -> None:
         if tokenizer.chat_template is None:
             raise ValueError("the tokenizer has no chat template; TraceCollator needs one")
@@ -104,12 +106,15 @@ class TraceCollator:
         self.max_seq_len = max_seq_len if max_seq_len is not None else pack_tokens
         self.pack_tokens = pack_tokens
         self.hint_role = hint_role
+        self.tools = tools
         self.header, self.footer = self._learn_turn_markers()
 
     # ------------------------------------------------------------------ rendering and spans
 
     def render(self, messages: list[dict[str, Any]], generation_prompt: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        return self.tokenizer.apply_chat_template(
+            messages, tools=self.tools, tokenize=False, add_generation_prompt=generation_prompt
+        )
 
     def _learn_turn_markers(self) -> tuple[str, str]:
         """The assistant header (the generation prompt) and the end-of-turn marker after a reply."""

@@ -1,0 +1,128 @@
+"""The messages between the controller's ingress and rollout workers.
+
+Every request is one JSON frame, validated against these models before anything else looks at
+it (unknown keys, wrong types and out-of-range numbers are malformed). Every reply is a JSON
+`Reply` frame, followed by one raw frame for a weight chunk. Token ids, logprobs and messages
+are what the worker claims; `ingress.verify` decides what of it is true.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_GROUPS = 64  # per lease or submit request
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# --------------------------------------------------------------------------- requests
+
+
+class SpecRequest(Message):
+    op: Literal["spec"]
+
+
+class WeightsRequest(Message):
+    op: Literal["weights"]
+    version: int = Field(ge=0)
+    offset: int = Field(0, ge=0)
+
+
+class LeaseRequest(Message):
+    """Up to n groups; n = 0 only asks for the newest policy version (a worker whose leases wait
+    for a version not yet published polls with it)."""
+
+    op: Literal["lease"]
+    n: int = Field(ge=0, le=MAX_GROUPS)
+
+
+class Episode(Message):
+    """One sampled episode as the worker's `Rollout` holds it, plus the reward it claims."""
+
+    token_ids: list[int]
+    loss_mask: list[bool]
+    logprobs: list[float]  # the sampler's, 0 off the mask
+    versions: list[int]  # one per sampled token
+    messages: list[dict[str, Any]]
+    finish_reason: Literal["stop", "length"]
+    reward: float
+
+
+class GroupResult(Message):
+    lease_id: str = Field(max_length=64)
+    episodes: list[Episode]
+
+
+class SubmitRequest(Message):
+    op: Literal["submit"]
+    groups: list[GroupResult] = Field(max_length=MAX_GROUPS)
+
+
+Request = Annotated[SpecRequest | WeightsRequest | LeaseRequest | SubmitRequest, Field(discriminator="op")]
+
+
+# --------------------------------------------------------------------------- replies
+
+
+class Spec(Message):
+    """What a worker needs to generate like a mesh generator: the task (imported on the worker),
+    the sampling parameters, and the model's non-weight files (config, tokenizer, chat template)."""
+
+    task_import_path: str
+    task_kwargs: dict[str, Any]
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    dtype: str
+    tool_parser: str
+    model_files: dict[str, str]  # file name -> base64 content
+
+
+class Lease(Message):
+    """A group to sample: `samples` episodes of the prompt, starting on policy `min_version` or newer,
+    submitted within `expires_in_s`. The prompt's answer is never sent."""
+
+    lease_id: str
+    prompt_id: str
+    messages: list[dict[str, Any]]
+    info: dict[str, Any]
+    samples: int
+    seed: int
+    min_version: int
+    expires_in_s: float
+
+
+class WeightsChunk(Message):
+    """Bytes [offset, offset + length) of the version's safetensors file (the next frame)."""
+
+    version: int
+    size: int
+    sha256: str
+    offset: int
+
+
+Status = Literal["accepted", "rejected", "late", "duplicate"]
+
+
+class Verdict(Message):
+    lease_id: str
+    status: Status
+    reason: str = ""
+
+
+class Reply(Message):
+    """Every reply names the server's epoch (it changes when the controller restarts: earlier leases
+    are void) and the newest policy version workers should run."""
+
+    epoch: str
+    version: int  # -1 until the first version is published
+    error: str = ""
+    refused: bool = False  # the error is final for this key (banned)
+    spec: Spec | None = None
+    chunk: WeightsChunk | None = None
+    leases: list[Lease] = Field(default_factory=list)
+    verdicts: list[Verdict] = Field(default_factory=list)

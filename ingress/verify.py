@@ -1,0 +1,239 @@
+"""Checking a worker's group against what the controller computes itself.
+
+Nothing a worker sends is taken on trust. Each episode is rebuilt turn by turn through the
+same `EpisodeFormat` the mesh's generators use: the prompt is rendered here and must be the
+submission's first tokens; each sampled turn is cut where the engine would have stopped; its
+tool calls are run through the task again and the tool turn must tokenize to the submitted
+tokens; the reward is computed here. Then a random fraction of the sampled tokens, chosen after
+the submission arrived, is re-scored with the policy version each claims, and an episode whose
+claimed behaviour logprobs differ from the recomputed ones by more than `tolerance` (mean
+absolute difference, nats) is rejected. What the worker cannot forge without being caught is
+then: which prompt it answered, what the tools said, the reward, and (up to the tolerance,
+for the tokens checked) the logprobs the trainer's importance ratios use.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from meshrl.inference.completion import Completion
+from meshrl.inference.hf_engine import HFEngine
+from meshrl.ingress.protocol import Episode
+from meshrl.loss_adapters.logprobs import sequence_token_logprobs
+from meshrl.rollouts.episodes import EpisodeFormat, Rollout
+from meshrl.tasks.base import Prompt, ToolResult
+
+REWARD_ATOL = 1e-6
+
+
+class Rejected(Exception):
+    """A submission that failed a check: `reason` is the counter it goes to (`ingress/rejected/REASON`)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.detail = reason, detail
+
+
+@dataclass
+class VerifyStats:
+    checked_tokens: int = 0
+    seconds: float = 0.0
+    max_accepted_diff: float = 0.0  # the largest mean |Δ logprob| of an accepted episode
+    diffs: deque[float] = field(default_factory=lambda: deque(maxlen=100_000))  # mean |Δ| of re-scored episodes
+
+
+class Scorer:
+    """The policy at a claimed version, loaded from the versions the controller keeps, scoring
+    token ids the way the trainer does (temperature-scaled log-softmax, full forward)."""
+
+    def __init__(self, model_path: str, dtype: str, temperature: float, weights_path: Callable[[int], Path | None]):
+        self.engine = HFEngine.from_pretrained(model_path, dtype=dtype)
+        self.temperature = temperature
+        self.weights_path = weights_path
+        self.loaded: int | None = None
+
+    def has(self, version: int) -> bool:
+        return self.weights_path(version) is not None
+
+    @torch.inference_mode()
+    def logprobs(self, version: int, ids: list[int]) -> torch.Tensor:
+        """Logprob of each of `ids` given its prefix under policy `version` (position 0 is 0)."""
+        if self.loaded != version:
+            path = self.weights_path(version)
+            if path is None:
+                raise Rejected("bad_tokens", f"policy version {version} is no longer kept")
+            self.engine.load_weights(load_file(str(path)), version)
+            self.loaded = version
+        batch = torch.tensor([ids], device=self.engine.device)
+        return sequence_token_logprobs(self.engine.model, batch, temperature=self.temperature)[0].float().cpu()
+
+
+class Verifier:
+    def __init__(
+        self,
+        episodes: EpisodeFormat,
+        scorer: Scorer,
+        *,
+        max_new_tokens: int,
+        fraction: float,
+        tolerance: float,
+    ) -> None:
+        self.format, self.scorer = episodes, scorer
+        self.max_new_tokens = max_new_tokens
+        self.fraction, self.tolerance = fraction, tolerance
+        self.vocab = len(episodes.tokenizer)
+        self.max_len = int(getattr(scorer.engine.model.config, "max_position_embeddings", 1 << 30))
+        self.stops = set(episodes.stop_ids) | set(scorer.engine.eos_token_ids)
+        self.replays_tools = bool(getattr(episodes.task, "replayable_tools", True))
+        self.rng = random.Random()  # positions to re-score: unpredictable to the worker
+        self.stats = VerifyStats()
+
+    def check_group(
+        self, prompt: Prompt, samples: int, min_version: int, newest: int, episodes: list[Episode]
+    ) -> list[Rollout]:
+        """The group's rollouts as rebuilt here (reward computed here), or `Rejected`."""
+        start = time.perf_counter()
+        try:
+            if len(episodes) != samples:
+                raise Rejected("malformed", f"{len(episodes)} episodes for a lease of {samples}")
+            rollouts = [self.replay(prompt, ep, min_version, newest) for ep in episodes]
+            self.rescore(rollouts)
+            return rollouts
+        finally:
+            self.stats.seconds += time.perf_counter() - start
+
+    # ------------------------------------------------------------------ structure, tools, reward
+
+    def replay(self, prompt: Prompt, ep: Episode, min_version: int, newest: int) -> Rollout:
+        """Rebuild the episode from its sampled turns; every other token is derived here."""
+        self._check_tokens(ep, min_version, newest)
+        mask, ids = ep.loss_mask, ep.token_ids
+        rollout = self.format.start(prompt)
+        pos = len(rollout.token_ids)
+        if ids[:pos] != rollout.token_ids or any(mask[:pos]):
+            raise Rejected(
+                "prompt_mismatch", "the first tokens are not the leased prompt as the chat template renders it"
+            )
+        sampled = 0
+        while True:
+            end = pos
+            while end < len(ids) and mask[end]:
+                end += 1
+            turn = ids[pos:end]
+            if not turn:
+                raise Rejected("bad_tokens", f"a sampled turn should start at token {pos}")
+            if len(turn) > self.max_new_tokens or any(t in self.stops for t in turn[:-1]):
+                raise Rejected("bad_tokens", f"the turn at token {pos} runs past a stop token or max_new_tokens")
+            finish = "stop" if turn[-1] in self.stops else "length"
+            if finish == "length" and len(turn) != self.max_new_tokens:
+                raise Rejected("bad_tokens", f"the turn at token {pos} ends without a stop token before max_new_tokens")
+            versions = ep.versions[sampled : sampled + len(turn)]
+            sampled += len(turn)
+            calls = self.format.add_turn(rollout, Completion([], turn, ep.logprobs[pos:end], finish, versions))
+            pos = end
+            if calls:
+                results = self._tool_results(rollout, calls, ep)
+                tool_ids = self.format.add_tool_results(rollout, calls, results)
+                if ids[pos : pos + len(tool_ids)] != tool_ids or any(mask[pos : pos + len(tool_ids)]):
+                    raise Rejected("tool_mismatch", f"the tool turn at token {pos} is not what the task's tools answer")
+                pos += len(tool_ids)
+            if not self.format.goes_on(rollout, calls):
+                break
+        if pos != len(ids):
+            raise Rejected("bad_tokens", f"{len(ids) - pos} tokens after the episode ended")
+        if ep.finish_reason != rollout.finish_reason:
+            raise Rejected(
+                "bad_tokens", f"finish_reason {ep.finish_reason!r}, the tokens say {rollout.finish_reason!r}"
+            )
+        if _normal(ep.messages) != _normal(rollout.messages):
+            theirs = [m for m in _normal(ep.messages) if m.get("role") == "tool"]
+            ours = [m for m in _normal(rollout.messages) if m.get("role") == "tool"]
+            reason = "tool_mismatch" if theirs != ours else "messages_mismatch"
+            raise Rejected(reason, "the messages are not those the tokens and the task's tools give")
+        self.format.score(rollout)
+        if not math.isfinite(ep.reward) or abs(ep.reward - rollout.reward) > REWARD_ATOL:
+            raise Rejected("reward_mismatch", f"claimed reward {ep.reward}, the task gives {rollout.reward}")
+        return rollout
+
+    def _check_tokens(self, ep: Episode, min_version: int, newest: int) -> None:
+        n = len(ep.token_ids)
+        if not (len(ep.loss_mask) == len(ep.logprobs) == n) or n > self.max_len:
+            raise Rejected(
+                "bad_tokens", f"{n} token ids, {len(ep.loss_mask)} mask entries, {len(ep.logprobs)} logprobs"
+            )
+        if any(not 0 <= t < self.vocab for t in ep.token_ids):
+            raise Rejected("bad_tokens", f"token ids outside the vocabulary of {self.vocab}")
+        if len(ep.versions) != sum(ep.loss_mask):
+            raise Rejected("bad_tokens", f"{len(ep.versions)} versions for {sum(ep.loss_mask)} sampled tokens")
+        if any(b < a for a, b in zip(ep.versions, ep.versions[1:])):
+            raise Rejected("bad_tokens", "policy versions go backwards")
+        if ep.versions and not (min_version <= ep.versions[0] and ep.versions[-1] <= newest):
+            raise Rejected(
+                "bad_tokens", f"versions {ep.versions[0]}..{ep.versions[-1]} outside {min_version}..{newest}"
+            )
+        if any(not self.scorer.has(v) for v in set(ep.versions)):
+            raise Rejected("bad_tokens", "a claimed policy version is no longer kept")
+        for lp, m in zip(ep.logprobs, ep.loss_mask):
+            if not math.isfinite(lp) or lp > 1e-6 or (not m and lp != 0.0):
+                raise Rejected("bad_tokens", f"logprob {lp} is not a sampled token's log-probability")
+
+    def _tool_results(self, rollout: Rollout, calls: list[dict[str, Any]], ep: Episode) -> list[ToolResult]:
+        """The task answers the calls again; a task whose tools cannot be replayed (it says
+        `replayable_tools = False`) is taken at the worker's word, read from its messages."""
+        if self.replays_tools:
+            return [self.format.call_tool(rollout, call) for call in calls]
+        at = len(rollout.messages)
+        theirs = ep.messages[at : at + len(calls)]
+        if len(theirs) != len(calls) or any(
+            m.get("role") != "tool" or not isinstance(m.get("content"), str) for m in theirs
+        ):
+            raise Rejected("tool_mismatch", f"the messages lack the tool turn after message {at}")
+        return [ToolResult(m["content"], bool(m.get("is_error", False))) for m in theirs]
+
+    # ------------------------------------------------------------------ logprobs
+
+    def rescore(self, rollouts: list[Rollout]) -> None:
+        """Re-score a random `fraction` of each episode's sampled tokens (at least one) with the
+        version that claims them; reject an episode whose mean |Δ logprob| exceeds `tolerance`."""
+        if self.fraction <= 0:
+            return
+        picks: dict[int, dict[int, list[int]]] = {}  # version -> rollout index -> positions
+        for i, r in enumerate(rollouts):
+            positions = [p for p, m in enumerate(r.loss_mask) if m]
+            chosen = [j for j in range(len(positions)) if self.rng.random() < self.fraction]
+            if not chosen and positions:
+                chosen = [self.rng.randrange(len(positions))]
+            for j in chosen:
+                picks.setdefault(r.versions[j], {}).setdefault(i, []).append(positions[j])
+        diffs: dict[int, list[float]] = {}
+        for version in sorted(picks):
+            for i, positions in picks[version].items():
+                ids = rollouts[i].token_ids
+                ours = self.scorer.logprobs(version, ids[: max(positions) + 1])
+                diffs.setdefault(i, []).extend(abs(ours[p].item() - rollouts[i].logprobs[p]) for p in positions)
+                self.stats.checked_tokens += len(positions)
+        means = {i: sum(d) / len(d) for i, d in sorted(diffs.items())}
+        for i, mean in means.items():
+            self.stats.diffs.append(mean)
+            if mean > self.tolerance:
+                raise Rejected(
+                    "logprob_mismatch",
+                    f"episode {i}: mean |Δ logprob| {mean:.3g} over {len(diffs[i])} tokens > tolerance {self.tolerance}",
+                )
+        self.stats.max_accepted_diff = max([self.stats.max_accepted_diff, *means.values()])
+
+
+def _normal(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as JSON carries them (tuples become lists, keys strings), to compare like with like."""
+    return json.loads(json.dumps(messages))

@@ -1,0 +1,166 @@
+"""`meshrl rollout-worker`: generate rollouts for a controller from outside its mesh.
+
+Needs no Monarch and no shared filesystem: the spec brings the task's import path (the task's
+package must be installed here), the sampling parameters and the model's config and tokenizer;
+weights come over the same connection, version by version. Episodes run on the same
+`EpisodeScheduler` as the mesh's generators. The worker leases a few groups at a time, follows
+new policy versions as the controller announces them, rides out network cuts and controller
+restarts (requests are retried; leases of a restarted controller are void and simply dropped),
+and stops at SIGTERM after closing its sockets.
+"""
+
+from __future__ import annotations
+
+import base64
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoTokenizer
+
+from meshrl.configs.schema import TaskConfig
+from meshrl.inference.backends import make_engine
+from meshrl.ingress.client import Cancelled, IngressError, Refused, RolloutClient, to_episode
+from meshrl.ingress.protocol import GroupResult, Spec
+from meshrl.rollouts.episodes import EpisodeFormat
+from meshrl.rollouts.scheduler import EpisodeScheduler, GroupRequest, Sampling
+from meshrl.tasks.base import Prompt, make_task
+
+
+@dataclass
+class WorkerStats:
+    leased: int = 0
+    verdicts: Counter[str] = field(default_factory=Counter)
+    weight_versions: int = 0
+    retries: int = 0
+
+
+def write_model_dir(spec: Spec, weights: dict[str, torch.Tensor], directory: Path) -> Path:
+    """The spec's model files plus the weights, as an HF model directory the engines load."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, content in spec.model_files.items():
+        if Path(name).name != name or name.startswith("."):
+            raise IngressError(f"the controller sent a model file named {name!r}: not a plain file name")
+        (directory / name).write_bytes(base64.b64decode(content))
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(directory / "model.safetensors"))
+    return directory
+
+
+class RolloutWorker:
+    def __init__(
+        self,
+        client: RolloutClient,
+        *,
+        max_groups: int = 2,
+        max_episodes: int = 16,
+        max_tokens: int = 65536,
+        log=print,
+    ) -> None:
+        self.client, self.max_groups, self.log = client, max_groups, log
+        self.max_episodes, self.max_tokens = max_episodes, max_tokens
+        self._tmp = tempfile.TemporaryDirectory(prefix="meshrl-worker-")  # the model as fetched
+        self.model_dir = Path(self._tmp.name)
+        self.stats = WorkerStats()
+        self.held: dict[str, float] = {}  # lease id -> its expiry (time.monotonic())
+        self.scheduler: EpisodeScheduler | None = None
+        self.loaded: tuple[str | None, int] = (None, -1)  # (controller epoch, policy version) running
+
+    def start(self) -> None:
+        """Fetch the spec and the newest weights and start the engine."""
+        spec = self.client.spec()
+        version, weights = self.client.weights()
+        path = write_model_dir(spec, weights, self.model_dir)
+        gpus = [0] if torch.cuda.is_available() else []
+        backend = "vllm" if gpus and _has_vllm() else "hf"
+        engine = make_engine(backend, str(path), spec.dtype, gpus)
+        engine.load_weights(weights, version)
+        task = make_task(TaskConfig(import_path=spec.task_import_path, kwargs=spec.task_kwargs))
+        episodes = EpisodeFormat(AutoTokenizer.from_pretrained(str(path)), task, spec.tool_parser)
+        sampling = Sampling(spec.temperature, spec.top_p, spec.max_new_tokens)
+        self.scheduler = EpisodeScheduler(
+            engine, episodes, sampling, max_episodes=self.max_episodes, max_tokens=self.max_tokens
+        )
+        self.loaded = (self.client.epoch, version)
+        self.log(f"worker: {backend} engine on {'cuda' if gpus else 'cpu'}, policy version {version}")
+
+    def run(self, stop: threading.Event) -> WorkerStats:
+        """Lease, generate, submit until `stop` is set; a controller that does not answer is waited for."""
+        try:
+            if self.scheduler is None:
+                self._retrying(self.start, stop)
+            while not stop.is_set():
+                self._retrying(self._round, stop)
+        except Cancelled:
+            pass  # stopped mid-request
+        finally:
+            self.close()
+        return self.stats
+
+    def _retrying(self, action, stop: threading.Event) -> None:
+        """Run `action` until it succeeds: an unreachable controller, one with no weights yet, or a
+        version replaced while it downloaded are waited out; a refused key is final."""
+        while not stop.is_set():
+            try:
+                action()
+                return
+            except Refused:
+                raise
+            except IngressError as exc:
+                self.stats.retries += 1
+                self.log(f"worker: {exc}; retrying")
+                stop.wait(1.0)
+
+    def _round(self) -> None:
+        """One round: follow the policy version, top up leases, hand back finished groups."""
+        assert self.scheduler is not None
+        if (self.client.epoch, self.client.version) != self.loaded:
+            if self.client.epoch != self.loaded[0]:
+                self.held.clear()  # a restarted controller voids earlier leases
+            version, weights = self.client.weights()
+            self.scheduler.load_weights(weights, version)
+            self.loaded = (self.client.epoch, version)
+            self.stats.weight_versions += 1
+        now = time.monotonic()
+        self.held = {
+            lease_id: expiry for lease_id, expiry in self.held.items() if expiry > now
+        }  # expired: free the slot
+        leases = self.client.lease(max(0, self.max_groups - len(self.held)))  # n = 0: the newest version only
+        if leases:
+            self.stats.leased += len(leases)
+            for lease in leases:
+                self.held[lease.lease_id] = time.monotonic() + lease.expires_in_s
+                prompt = Prompt(lease.prompt_id, lease.messages, None, lease.info)
+                self.scheduler.submit(
+                    [GroupRequest(lease.lease_id, prompt, lease.samples, lease.seed, lease.min_version)]
+                )
+        finished = self.scheduler.take(0.2 if self.held else 0.0)
+        if finished:
+            results = [GroupResult(lease_id=g.key, episodes=[to_episode(r) for r in g.rollouts]) for g in finished]
+            verdicts = self.client.submit(results)
+            for group in finished:
+                self.held.pop(group.key, None)
+            self.stats.verdicts.update(v.status for v in verdicts)
+            rejected = [f"{v.lease_id[-6:]}: {v.reason}" for v in verdicts if v.status == "rejected"]
+            self.log(f"worker: submitted {len(verdicts)} groups: {dict(Counter(v.status for v in verdicts))}"
+                     + (f"; rejected {rejected}" if rejected else ""))  # fmt: skip
+        elif not self.held:
+            time.sleep(0.2)  # nothing leased: the controller has no groups to hand out yet
+
+    def close(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.close()
+        self.client.close()
+        self._tmp.cleanup()
+
+
+def _has_vllm() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True

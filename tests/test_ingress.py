@@ -1,0 +1,315 @@
+"""The ingress in process, over real loopback ZMQ with CURVE: honest workers are never rejected
+(fp32 Llama-shaped and bf16 Qwen3-shaped), and every kind of forged submission is rejected and
+counted. The run with real `meshrl rollout-worker` processes is in test_ingress_run.py."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from meshrl.configs.schema import IngressConfig, TaskConfig, TinyModelConfig
+from meshrl.inference.completion import Completion
+from meshrl.inference.hf_engine import HFEngine
+from meshrl.inference.weights import save_weights_file
+from meshrl.ingress.client import IngressError, RolloutClient, to_episode
+from meshrl.ingress.keys import generate_keys
+from meshrl.ingress.protocol import Episode, GroupResult, Lease, Spec
+from meshrl.ingress.server import IngressServer, model_files
+from meshrl.ingress.verify import Rejected, Scorer, Verifier
+from meshrl.ingress.worker import RolloutWorker
+from meshrl.loss_adapters.logprobs import sequence_token_logprobs
+from meshrl.models.tiny import ensure_tiny
+from meshrl.rollouts.episodes import EpisodeFormat, Rollout
+from meshrl.rollouts.scheduler import EpisodeScheduler, GroupRequest, Sampling
+from meshrl.tasks.base import Prompt, make_task
+
+TASK = TaskConfig(kwargs={"n_keys": 3})
+MAX_NEW = 24
+LLAMA = TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2)
+QWEN3 = TinyModelConfig(family="qwen3", num_heads=4, num_kv_heads=2, tie_embeddings=True, chat_template="hermes")
+
+
+@dataclass
+class Harness:
+    server: IngressServer
+    keys: Path
+    model: Path
+    format: EpisodeFormat
+    engine: HFEngine  # the test's own copy of the policy, to sample honest episodes with
+    temperature: float
+
+    def client(self, name: str, **kwargs) -> RolloutClient:
+        return RolloutClient(self.server.address, self.keys / "server.key", self.keys / f"{name}.key_secret", **kwargs)
+
+    def offer(self, n: int, step: int = 0, samples: int = 2) -> list[GroupRequest]:
+        prompts = make_task(TASK).sample_prompts(random.Random(step * 1000 + n), n)
+        groups = [GroupRequest(f"{step}/{i}/{time.time()}", p, samples, i, 0) for i, p in enumerate(prompts)]
+        self.server.offer(step, groups)
+        return groups
+
+    def sample(self, lease: Lease) -> list[Rollout]:
+        """Honest episodes of a lease, sampled here as a worker would."""
+        scheduler = EpisodeScheduler(
+            self.engine, self.format, Sampling(self.temperature, 1.0, MAX_NEW), max_episodes=8, max_tokens=8192
+        )
+        prompt = Prompt(lease.prompt_id, lease.messages, None, lease.info)
+        scheduler.submit([GroupRequest(lease.lease_id, prompt, lease.samples, lease.seed, 0)])
+        groups = []
+        while not groups:
+            groups = scheduler.take(1.0)
+        scheduler.close()
+        return groups[0].rollouts
+
+
+def make_harness(root: Path, spec: TinyModelConfig, dtype: str, temperature: float, **ingress) -> Harness:
+    model = ensure_tiny(root / "model", spec)
+    keys = root / "keys"
+    generate_keys(keys, "server")
+    for name in ("honest", "forger", "other"):
+        generate_keys(keys, name)
+        (keys / "authorized").mkdir(exist_ok=True)
+        (keys / "authorized" / f"{name}.key").write_bytes((keys / f"{name}.key").read_bytes())
+    generate_keys(keys, "stranger")  # never authorized
+    config = IngressConfig(
+        bind="tcp://127.0.0.1:*", server_key=str(keys / "server.key_secret"), authorized_keys=str(keys / "authorized"),
+        **ingress,
+    )  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    spec_msg = Spec(
+        task_import_path=TASK.import_path, task_kwargs=TASK.kwargs, temperature=temperature, top_p=1.0,
+        max_new_tokens=MAX_NEW, dtype=dtype, tool_parser="hermes", model_files=model_files(model),
+    )  # fmt: skip
+    holder: list[IngressServer] = []
+    scorer = Scorer(str(model), dtype, temperature, lambda v: holder[0].weights_path(v))
+    verifier = Verifier(
+        EpisodeFormat(tokenizer, make_task(TASK)), scorer, max_new_tokens=MAX_NEW,
+        fraction=config.verify_fraction, tolerance=config.verify_tolerance,
+    )  # fmt: skip
+    holder.append(IngressServer(config, spec_msg, verifier))
+    engine = HFEngine.from_pretrained(str(model), dtype=dtype)
+    weights = root / "ingress" / "step_0.safetensors"
+    save_weights_file(engine.model.state_dict(), weights)
+    holder[0].publish(0, weights)
+    return Harness(holder[0], keys, model, EpisodeFormat(tokenizer, make_task(TASK)), engine, temperature)
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory):
+    h = make_harness(tmp_path_factory.mktemp("ingress"), LLAMA, "float32", 1.0, verify_fraction=0.5, max_strikes=100)
+    yield h
+    h.server.close()
+
+
+def forced_rollout(h: Harness, lease: Lease, assistant_texts: list[str]) -> Rollout:
+    """An episode whose assistant turns are `assistant_texts` (not sampled), with the logprobs the
+    policy gives them: what a worker forcing text through an honest scorer would submit."""
+    prompt = Prompt(lease.prompt_id, lease.messages, None, lease.info)
+    rollout = h.format.start(prompt)
+    for text in assistant_texts:
+        ids = h.format.tokenizer(text + h.format.footer, add_special_tokens=False)["input_ids"]
+        calls = h.format.add_turn(rollout, Completion([], ids, [0.0] * len(ids), "stop", [0] * len(ids)))
+        if calls:
+            results = [h.format.call_tool(rollout, call) for call in calls]
+            h.format.add_tool_results(rollout, calls, results)
+    with torch.inference_mode():
+        scored = sequence_token_logprobs(h.engine.model, torch.tensor([rollout.token_ids]), temperature=h.temperature)[
+            0
+        ]
+    rollout.logprobs = [float(lp) if m else 0.0 for lp, m in zip(scored, rollout.loss_mask)]
+    h.format.score(rollout)
+    return rollout
+
+
+def submit(client: RolloutClient, lease_id: str, episodes: list[Episode]) -> tuple[str, str]:
+    (verdict,) = client.submit([GroupResult(lease_id=lease_id, episodes=episodes)])
+    return verdict.status, verdict.reason.split(":")[0]
+
+
+def lookup_turns(lease: Lease) -> list[str]:
+    """A correct lookup of the asked key, then a wrong answer (the reward stays below 1)."""
+    call = json.dumps({"name": "lookup", "arguments": {"key": lease.info["key"]}})
+    return [f"<tool_call>{call}</tool_call>", "12"]
+
+
+def test_forged_submissions_are_rejected_and_counted(harness):
+    h = harness
+    forger, other = h.client("forger"), h.client("other")
+    leases = forger.lease(12)
+    assert len(leases) == 0  # nothing offered yet
+    h.offer(12)
+    leases = forger.lease(12)
+    assert len(leases) == 12 and all(lease.info and "answer" not in lease.model_dump() for lease in leases)
+    before = dict(h.server.counts)
+
+    def honest(lease: Lease) -> list[Episode]:
+        return [to_episode(r) for r in h.sample(lease)]
+
+    # Control: an honest group, and a forced one with honest logprobs and true tool results, are accepted.
+    assert submit(forger, leases[0].lease_id, honest(leases[0])) == ("accepted", "")
+    forced = [to_episode(forced_rollout(h, leases[1], lookup_turns(leases[1]))) for _ in range(2)]
+    assert submit(forger, leases[1].lease_id, forced) == ("accepted", "")
+
+    cases = {}
+    eps = honest(leases[2])  # shifted logprobs
+    for ep in eps:
+        ep.logprobs = [lp - 0.5 if m else lp for lp, m in zip(ep.logprobs, ep.loss_mask)]
+    cases["logprob_mismatch"] = (leases[2], eps)
+    eps = honest(leases[3])  # an inflated reward claim
+    for ep in eps:
+        ep.reward = 1.0
+    cases["reward_mismatch"] = (leases[3], eps)
+    # A fabricated tool result: the lookup answered with another value, tokens and messages consistent.
+    fake = forced_rollout(h, leases[4], lookup_turns(leases[4]))
+    real_value = leases[4].info["store"][leases[4].info["key"]]
+    tool_turn = [i for i, m in enumerate(fake.messages) if m["role"] == "tool"][0]
+    fake.messages[tool_turn]["content"] = "99"
+    text = h.format.tokenizer.decode(fake.token_ids)
+    assert real_value in text
+    fake.token_ids = h.format.tokenizer(text.replace(f"\n{real_value}", "\n99", 1), add_special_tokens=False)[
+        "input_ids"
+    ]
+    cases["tool_mismatch"] = (leases[4], [to_episode(fake)] * 2)
+    eps = honest(leases[5])  # an id outside the vocabulary
+    eps[0].token_ids[-1] = 10**6
+    cases["bad_tokens"] = (leases[5], eps)
+    # A prompt never leased: another prompt's episodes under this lease.
+    cases["prompt_mismatch"] = (leases[6], [to_episode(r) for r in forced_rollout_pair(h, leases[7])])
+    for reason, (lease, episodes) in cases.items():
+        assert submit(forger, lease.lease_id, episodes) == ("rejected", reason), reason
+
+    # A lease never handed out, a lease of another key, a replay of an accepted group.
+    assert submit(forger, f"{h.server.epoch}-forged", honest(leases[8])) == ("rejected", "unknown_lease")
+    assert submit(other, leases[9].lease_id, honest(leases[9])) == ("rejected", "not_owner")
+    assert submit(forger, leases[0].lease_id, forced) == ("rejected", "replayed")  # another payload
+    status, _ = submit(forger, leases[1].lease_id, forced)  # the same bytes again: answered, not used twice
+    assert status == "duplicate"
+
+    # A truncated message, and one over the size limit: the controller answers the next request.
+    raw = forger._open()
+    raw.send(b'{"op": "submit", "groups": [{"lease_id": "x", "epis')
+    assert raw.poll(10_000)
+    assert "malformed request" in raw.recv_json()["error"]
+    raw.send(b"x" * (h.server.config.max_message_mb * 2**20 + 1).__int__())  # cut at the transport
+    assert not raw.poll(500)
+    forger._close()
+    assert forger.lease(0) == [] and forger.version == 0
+
+    counts = {k: v - before.get(k, 0) for k, v in h.server.counts.items()}
+    for reason in [*cases, "unknown_lease", "not_owner", "malformed"]:
+        assert counts[f"rejected/{reason}"] == 1, (reason, counts)
+    assert counts["rejected/replayed"] == 2
+    assert counts["accepted"] == 2
+    accepted = h.server.collect()  # only the two accepted groups reach the controller, rewards computed there
+    assert len(accepted) == 2 and all(r.info["worker"] == forger.public.decode() for g in accepted for r in g.rollouts)
+    assert [r.reward for r in accepted[1].rollouts] == [forced[0].reward] * 2
+    # The rejected groups come back for the mesh to run.
+    assert len(h.server.reclaim(step=-1)) == len(cases)  # leases 7-11, unexpired, stay with the forger
+    forger.close()
+    other.close()
+
+
+def test_expired_lease_goes_to_the_mesh_and_its_late_submission_is_dropped(harness):
+    h = harness
+    worker = h.client("honest")
+    (group,) = h.offer(1)
+    (lease,) = worker.lease(1)
+    episodes = [to_episode(r) for r in h.sample(lease)]
+    h.server._records[lease.lease_id].deadline = time.monotonic()  # its lease_timeout_s has run out
+    assert [g.key for g in h.server.reclaim(step=-1)] == [group.key]
+    late = h.server.counts["late"]
+    assert submit(worker, lease.lease_id, episodes) == ("late", "the lease expired; its prompt went to another")
+    assert h.server.counts["late"] == late + 1 and not h.server.collect()
+    assert not h.server.strikes[worker.public.decode()]  # late is not a strike
+    worker.close()
+
+
+def test_tools_that_cannot_be_replayed_are_taken_from_the_messages(harness):
+    """`replayable_tools = False`: a forged tool result consistent with the tokens passes (the
+    README says so), tool turns that disagree with the messages do not."""
+    h = harness
+    task = make_task(TASK)
+    task.replayable_tools = False
+    verifier = Verifier(EpisodeFormat(h.format.tokenizer, task), h.server.verifier.scorer, max_new_tokens=MAX_NEW,
+                        fraction=0.0, tolerance=0.05)  # fmt: skip
+    (group,) = h.offer(1)
+    (lease,) = h.client("honest").lease(1)
+    fake = forced_rollout(h, lease, lookup_turns(lease))
+    value = lease.info["store"][lease.info["key"]]
+    tool_turn = [i for i, m in enumerate(fake.messages) if m["role"] == "tool"][0]
+    fake.messages[tool_turn]["content"] = "99"
+    text = h.format.tokenizer.decode(fake.token_ids).replace(f"\n{value}", "\n99", 1)
+    fake.token_ids = h.format.tokenizer(text, add_special_tokens=False)["input_ids"]
+    fake.loss_mask = fake.loss_mask[: len(fake.token_ids)] + [False] * (len(fake.token_ids) - len(fake.loss_mask))
+    rebuilt = verifier.replay(group.prompt, to_episode(fake), 0, 0)
+    assert rebuilt.messages[tool_turn]["content"] == "99"
+    fake.messages[tool_turn]["content"] = "98"  # messages no longer what the tokens say
+    with pytest.raises(Rejected, match="tool_mismatch"):
+        verifier.replay(group.prompt, to_episode(fake), 0, 0)
+    h.server.reclaim(step=-1)
+
+
+def test_unlisted_key_is_refused_and_a_repeat_offender_banned(harness):
+    h = harness
+    with pytest.raises(IngressError, match="refused this worker's key"):
+        h.client("stranger", timeout_s=5, retries=0).spec()
+    offender = h.client("other")
+    h.server.config.max_strikes = h.server.strikes[offender.public.decode()] + 2  # two more rejections ban it
+    try:
+        assert offender.spec().task_import_path == TASK.import_path
+        h.offer(2)
+        (lease, *_) = offender.lease(2)
+        for _ in range(2):
+            assert submit(offender, f"{h.server.epoch}-made-up", [])[0] == "rejected"
+        assert offender.public.decode() in h.server.banned
+        with pytest.raises(IngressError, match="banned"):
+            offender.lease(1)
+        offender.close()
+        with pytest.raises(IngressError, match="refused this worker's key"):  # and at the next handshake
+            h.client("other", timeout_s=5, retries=0).spec()
+        assert lease.lease_id in {r.lease_id for r in h.server._records.values() if r.deadline == 0.0}
+        assert len(h.server.reclaim(step=-1)) == 2  # its leases go back to the mesh at once
+    finally:
+        h.server.config.max_strikes = 100
+
+
+def forced_rollout_pair(h: Harness, lease: Lease) -> list[Rollout]:
+    return [forced_rollout(h, lease, lookup_turns(lease)) for _ in range(2)]
+
+
+@pytest.mark.parametrize(
+    "spec,dtype,temperature",
+    [(LLAMA, "float32", 1.0), (QWEN3, "bfloat16", 0.8)],
+    ids=["llama-fp32", "qwen3-tied-gqa-bf16"],
+)
+def test_honest_worker_is_never_rejected(tmp_path, spec, dtype, temperature):
+    """400 honest episodes through a `RolloutWorker` (fetching spec and weights over the wire),
+    every sampled token re-scored: none rejected at the default tolerance. The README reports
+    the largest mean |Δ logprob| seen (the margin under the tolerance)."""
+    h = make_harness(tmp_path, spec, dtype, temperature, verify_fraction=1.0)
+    h.offer(100, samples=4)
+    stop = threading.Event()
+    worker = RolloutWorker(h.client("honest"), max_groups=8, log=lambda *_: None)
+    thread = threading.Thread(target=worker.run, args=(stop,))
+    thread.start()
+    accepted, deadline = [], time.time() + 300
+    while len(accepted) < 100 and time.time() < deadline and thread.is_alive():
+        accepted += h.server.collect()
+        time.sleep(0.05)
+    stop.set()
+    thread.join()
+    h.server.close()
+    stats = h.server.verifier.stats
+    print(
+        f"{dtype}: {len(stats.diffs)} episodes, {stats.checked_tokens} tokens, max mean |Δ| {stats.max_accepted_diff:.3g}"
+    )
+    assert len(accepted) == 100 and worker.stats.verdicts == {"accepted": 100}
+    assert not [k for k in h.server.counts if k.startswith("rejected/")]
+    assert stats.checked_tokens == sum(sum(r.loss_mask) for g in accepted for r in g.rollouts)

@@ -1,0 +1,80 @@
+"""Decentralized rollouts through real processes on loopback: a training run with the mesh's
+generator and two `meshrl rollout-worker`s, one of them SIGKILLed mid-lease, a worker whose key
+is not listed, and a resume of the run that the surviving worker follows without a restart."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from test_topology import free_address
+from test_train import ENV, MESHRL, REPO, SMALL, records, train
+
+from meshrl.ingress.keys import generate_keys
+
+
+def _worker(address: str, keys: Path, name: str, log: Path) -> subprocess.Popen:
+    args = [*MESHRL, "rollout-worker", "--connect", address, "--server-key", str(keys / "server.key"),
+            "--key", str(keys / f"{name}.key_secret"), "--timeout-s", "5"]  # fmt: skip
+    return subprocess.Popen(args, cwd=REPO, env=ENV, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def _wait_for(log: Path, text: str, timeout: float = 180) -> None:
+    deadline = time.time() + timeout
+    while text not in log.read_text():
+        assert time.time() < deadline, f"no {text!r} in {log} within {timeout} s:\n{log.read_text()[-2000:]}"
+        time.sleep(0.2)
+
+
+def test_run_with_outside_workers_a_killed_one_and_a_resume(tmp_path):
+    keys = tmp_path / "keys"
+    generate_keys(keys, "server")
+    for name in ("a", "b", "stranger"):
+        generate_keys(keys, name)
+    (keys / "authorized").mkdir()
+    for name in ("a", "b"):
+        (keys / "authorized" / f"{name}.key").write_bytes((keys / f"{name}.key").read_bytes())
+    address = free_address()
+    out = tmp_path / "run"
+    ingress = [
+        "--output-dir", str(out), "--task.prompts_per_step", "4", "--ckpt.interval", "3",
+        "--ingress.bind", address, "--ingress.server_key", str(keys / "server.key_secret"),
+        "--ingress.authorized_keys", str(keys / "authorized"), "--ingress.groups_per_step", "2",
+        "--ingress.lease_timeout_s", "4",
+    ]  # fmt: skip
+    logs = {name: tmp_path / f"{name}.log" for name in ("a", "b", "stranger")}
+    # All three wait for the controller (retrying); the stranger is refused at its first handshake.
+    workers = {name: _worker(address, keys, name, logs[name]) for name in ("a", "b", "stranger")}
+    try:
+        first = subprocess.Popen([*MESHRL, "train", *SMALL, *ingress, "--max-steps", "9"], cwd=REPO, env=ENV,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        _wait_for(logs["b"], "'accepted'")
+        workers["b"].send_signal(signal.SIGKILL)  # it leases again as soon as it submits: killed holding leases
+        assert workers["stranger"].wait(timeout=120) == 1
+        assert "refused this worker's key" in logs["stranger"].read_text()
+        _, stderr = first.communicate(timeout=300)
+        assert first.returncode == 0, stderr[-3000:]
+        part1 = records(out)
+        assert [r["step"] for r in part1] == list(range(9))
+        assert part1[-1]["ingress/expired"] >= 1  # b's leases ran out and went to the mesh's generator
+        assert part1[-1]["ingress/refused"] >= 1
+        assert sum(r["rollouts/external"] for r in part1) > 0
+        assert all(r["rollouts"] == 8 for r in part1)  # every group came back, from a worker or the mesh
+
+        # The controller restarts (resume); worker a keeps running and follows it.
+        resumed = train(out, *ingress[2:], "--max-steps", "15", "--resume", timeout=300)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        metrics = records(out)
+        assert [r["step"] for r in metrics] == list(range(15))
+        assert sum(r["rollouts/external"] for r in metrics[9:]) > 0
+        assert metrics[-1]["ingress/accepted"] > part1[-1]["ingress/accepted"]  # counters carried over the resume
+        assert not [k for k in metrics[-1] if k.startswith("ingress/rejected/")]
+        assert workers["a"].poll() is None
+        workers["a"].send_signal(signal.SIGTERM)
+        assert workers["a"].wait(timeout=30) == 0
+        assert "rollout-worker stopped" in logs["a"].read_text()
+    finally:
+        for proc in workers.values():
+            proc.kill()
