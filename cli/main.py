@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import signal
 import sys
@@ -17,11 +18,22 @@ from meshrl.traces.claude_code import TraceFormatError, ingest_claude_code
 CONFIG_FORMS = """config sources, applied left to right:
   @ FILE.toml           a TOML preset (repeatable; deep-merged)
   --section.key VALUE   a dotted override (kebab-case works too: --loss.kl-tau 0.01;
-                        lists and dicts as JSON; a bare --flag means true)"""
+                        lists and dicts as JSON; a bare --flag means true, --no-flag false,
+                        e.g. --metrics.no-tensorboard)
+  PRIME-RL names        --trainer.loss.* for --loss.*, loss.type default for dppo_kl"""
 
 EXIT_STOPPED = 3  # a trainer process or a worker host was lost; the message says how to resume
 EXIT_CONFIG = 2
 EXIT_BAD_INPUT = 1  # a trace file or run directory that cannot be used
+
+
+def _sections() -> str:
+    """The run config's sections, for `--help` (`meshrl config keys` lists every key)."""
+    lines = ["config sections (meshrl config keys lists every key):"]
+    for name, field in RunConfig.model_fields.items():
+        if _models_in(field.annotation):
+            lines.append(f"  {name:<21} {field.description}")
+    return "\n".join(lines)
 
 
 def _sources_parser(sub: argparse._SubParsersAction, name: str, help_text: str) -> argparse.ArgumentParser:
@@ -29,7 +41,7 @@ def _sources_parser(sub: argparse._SubParsersAction, name: str, help_text: str) 
         name,
         help=help_text,
         description=help_text,
-        epilog=CONFIG_FORMS,
+        epilog=f"{CONFIG_FORMS}\n\n{_sections()}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("sources", nargs="*", help="presets and overrides (see below)")
@@ -219,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="meshrl", description="RL post-training for agentic LLMs on Monarch actor meshes."
     )
+    parser.add_argument("--version", action="version", version=f"meshrl {importlib.metadata.version('meshrl')}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     train = _sources_parser(sub, "train", "train a policy with the resolved run config")

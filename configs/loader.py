@@ -184,12 +184,36 @@ def _format_errors(exc: ValidationError, merged: dict[str, Any], where: dict[tup
     return "invalid config:\n  " + "\n  ".join(lines)
 
 
+# PRIME-RL's names for what meshrl calls otherwise (README "PRIME-RL names"): its loss section
+# lives under `trainer`, and its DPPO+KL loss is `type = "default"`.
+PRIME_RL_LOSS_TYPES = {"default": "dppo_kl"}
+
+
+def _prime_rl_names(merged: dict[str, Any], where: dict[tuple[str, ...], Origin]) -> None:
+    """Rename PRIME-RL's keys in place: `trainer.loss` merges over `loss`, loss types are mapped."""
+    trainer = merged.get("trainer")
+    if isinstance(trainer, dict) and "loss" in trainer:
+        moved = {path: where.pop(path) for path in [p for p in where if p[:2] == ("trainer", "loss")]}
+        loss = trainer.pop("loss")
+        if isinstance(loss, dict) and isinstance(merged.get("loss"), dict):
+            _merge(merged["loss"], loss, (0, ""), {})  # origins were moved above
+        else:
+            merged["loss"] = loss
+        where.update({("loss", *path[2:]): origin for path, origin in moved.items()})
+        if not trainer:
+            del merged["trainer"]
+    loss = merged.get("loss")
+    if isinstance(loss, dict) and loss.get("type") in PRIME_RL_LOSS_TYPES:
+        loss["type"] = PRIME_RL_LOSS_TYPES[loss["type"]]
+
+
 def load_config(args: list[str] | None = None) -> RunConfig:
     """Compose defaults, presets and overrides into a validated RunConfig."""
     merged: dict[str, Any] = {}
     where: dict[tuple[str, ...], Origin] = {}
     for order, (origin, partial) in enumerate(parse_sources(args or [])):
         _merge(merged, partial, (order, origin), where)
+    _prime_rl_names(merged, where)
     try:
         return RunConfig.model_validate(merged)
     except ValidationError as exc:

@@ -412,8 +412,14 @@ class CkptConfig(Section):
 
 
 class MetricsConfig(Section):
-    tensorboard: bool = Field(False, description="Also write TensorBoard event files.")
+    tensorboard: bool = Field(
+        False,
+        description="Also write TensorBoard event files to output_dir/tensorboard (needs the [tensorboard] extra).",
+    )
     wandb_project: str | None = Field(None, description="Also log to this W&B project (needs the [wandb] extra).")
+    wandb_mode: Literal["online", "offline"] = Field(
+        "online", description="W&B mode: offline writes the run under output_dir/wandb for `wandb sync` later."
+    )
     progress: Literal["auto", "rich", "plain"] = Field(
         "auto", description="Rich display on a terminal, else plain lines."
     )

@@ -45,6 +45,7 @@ from meshrl.run.export import export_model
 from meshrl.run.plots import plot
 from meshrl.run.progress import Progress
 from meshrl.run.run_dir import RunDir, write_atomic
+from meshrl.run.sinks import MetricSinks
 from meshrl.tasks.base import make_task, task_tools
 from meshrl.topology.faults import HostLost, RunStopped, SupervisionError, install_fault_hook
 from meshrl.topology.placement import Placement
@@ -568,7 +569,7 @@ class Controller:
         self.trainers.start_rl.call().get()
         self.publish(0, wait=True)
 
-    def train(self, progress: Progress) -> None:
+    def train(self, progress: Progress, sinks: MetricSinks) -> None:
         cfg = self.config
         world = cfg.topology.trainer.size
         self._publish_ingress(self.step)  # no warm start and no resume: the initial weights
@@ -633,6 +634,7 @@ class Controller:
                 **timings,
             }
             self.run.append_metrics(record)
+            sinks.log(record)
             progress.update(record, cfg.max_steps)
             if lost is not None:
                 raise lost
@@ -678,8 +680,12 @@ def train(config: RunConfig) -> Path:
                 print(f"no complete checkpoint in {run.checkpoints}; starting from step 0")
             run.keep_metrics_before(0)
             controller.warm_start()
-        with Progress(config.metrics.progress, start=controller.step) as progress:
-            controller.train(progress)
+        sinks = MetricSinks(config, run.root, controller.step)
+        try:
+            with Progress(config.metrics.progress, start=controller.step) as progress:
+                controller.train(progress, sinks)
+        finally:
+            sinks.close()
     except HostLost as lost:
         raise controller.stop_for_lost_host(lost) from None
     except SupervisionError as exc:  # generators and teachers are handled where called: a trainer died

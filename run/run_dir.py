@@ -35,6 +35,10 @@ RUN_OUTPUTS = (
     "final",
     "tiny_model",
     "topology.json",
+    "ingress",
+    "tensorboard",
+    "wandb",
+    "wandb_id",
 )  # `overwrite` clears
 
 

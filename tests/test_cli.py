@@ -66,6 +66,27 @@ def test_source_command_help_explains_forms():
     assert "@ FILE.toml" in out and "--section.key VALUE" in out
 
 
+def test_version_and_train_help_lists_the_config_sections():
+    version = meshrl("--version")
+    assert version.returncode == 0 and version.stdout.strip() == "meshrl 0.1.0"
+    out = meshrl("train", "--help").stdout
+    for section in ("model", "topology", "generator", "trainer", "loss", "teachers", "task", "metrics", "ingress"):
+        assert f"\n  {section} " in out, section
+    assert "--no-flag" in out and "PRIME-RL names" in out
+
+
+def test_prime_rl_names_and_no_flags():
+    config = load_config(["@", str(LOCAL), "--trainer.loss.type", "default", "--trainer.loss.kl-tau", "0.01",
+                          "--trainer.loss.replay.weight", "0.5", "--metrics.tensorboard", "--metrics.no-tensorboard"])  # fmt: skip
+    assert config.loss.type == "dppo_kl" and config.loss.kl_tau == 0.01
+    assert (
+        config.loss.replay.weight == 0.5 and config.loss.sdpo.weight == load_config(["@", str(LOCAL)]).loss.sdpo.weight
+    )
+    assert config.metrics.tensorboard is False
+    bad = meshrl("config", "show", "--trainer.loss.kl-tau", "-1")
+    assert bad.returncode == 2 and "the command line: loss.kl_tau" in bad.stderr  # named where it was set
+
+
 def test_console_script_installed():
     assert SCRIPT.exists()
     result = subprocess.run([str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60)

@@ -90,9 +90,13 @@ def test_short_run_through_real_meshes(tmp_path):
     )
 
 
+SINKS = ["--metrics.tensorboard", "--metrics.wandb_project", "meshrl-test", "--metrics.wandb_mode", "offline"]
+
+
 def test_sigkill_after_a_checkpoint_then_resume(tmp_path):
+    """Also the metric sinks: TensorBoard and W&B (offline) continue the same run after the resume."""
     out = tmp_path / "run"
-    args = [*MESHRL, "train", *SMALL, "--output-dir", str(out), "--max-steps", "6", "--ckpt.interval", "2"]
+    args = [*MESHRL, "train", *SMALL, "--output-dir", str(out), "--max-steps", "6", "--ckpt.interval", "2", *SINKS]
     proc = subprocess.Popen(args, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)  # fmt: skip
     deadline = time.time() + 180
@@ -101,10 +105,22 @@ def test_sigkill_after_a_checkpoint_then_resume(tmp_path):
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    result = train(out, "--max-steps", "6", "--ckpt.interval", "2", "--resume")
+    result = train(out, "--max-steps", "6", "--ckpt.interval", "2", "--resume", *SINKS)
     assert result.returncode == 0, result.stderr[-3000:]
-    steps = [r["step"] for r in records(out)]
-    assert steps == list(range(6))  # exactly one record per step
+    metrics = records(out)
+    assert [r["step"] for r in metrics] == list(range(6))  # exactly one record per step
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard")).Reload()
+    rewards = events.Scalars("reward/mean")  # the killed run's steps after the checkpoint were purged
+    assert [e.step for e in rewards] == list(range(6))
+    assert [e.value for e in rewards] == pytest.approx([r["reward/mean"] for r in metrics])
+    assert "loss/total" in events.Tags()["scalars"] and "config/text_summary" in events.Tags()["tensors"]
+    run_id = (out / "wandb_id").read_text()
+    wandb_runs = sorted((out / "wandb").glob("offline-run-*"))
+    assert len(wandb_runs) == 2 and all(p.name.endswith(run_id) for p in wandb_runs)  # resumed, same run
+    assert all((p / f"run-{run_id}.wandb").stat().st_size > 0 for p in wandb_runs)
 
 
 @pytest.mark.parametrize(
