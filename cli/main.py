@@ -117,6 +117,46 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval_options(sources: list[str]) -> tuple[str | None, str | None, list[str]]:
+    """`--checkpoint DIR` and `--out FILE` out of the words; `--n`/`--k` are `--eval.n`/`--eval.k`."""
+    checkpoint = out = None
+    rest: list[str] = []
+    words = iter(sources)
+    for word in words:
+        name, eq, value = word.partition("=")
+        if name in ("--checkpoint", "--out", "--n", "--k"):
+            value = value if eq else next(words, None)
+            if value is None:
+                raise ConfigError(f"{name} needs a value")
+            if name == "--checkpoint":
+                checkpoint = value
+            elif name == "--out":
+                out = value
+            else:
+                rest += [f"--eval.{name[2:]}", value]
+        else:
+            rest.append(word)
+    return checkpoint, out, rest
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    checkpoint, out, sources = _eval_options(args.sources)
+    if checkpoint is None:
+        raise ConfigError("meshrl eval needs --checkpoint DIR (a run, one of its checkpoints, or a model directory)")
+    config = load_config(sources)
+    from meshrl.run.evaluate import evaluate_checkpoint
+
+    try:
+        result = evaluate_checkpoint(config, checkpoint, Path(out) if out else None)
+    except ValueError as exc:
+        print(f"meshrl eval: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(f"{result.prompts} prompts, {result.k} samples each")
+    for key, value in result.metrics().items():
+        print(f"{key:<20} {value:.4f}")
+    return 0
+
+
 def _cmd_plot(args: argparse.Namespace) -> int:
     from meshrl.run.plots import plot
 
@@ -237,6 +277,13 @@ def build_parser() -> argparse.ArgumentParser:
     train = _sources_parser(sub, "train", "train a policy with the resolved run config")
     train.set_defaults(func=_cmd_train)
 
+    eval_help = (
+        "evaluate a saved policy on the task's eval prompts, greedy and sampled: mean reward, pass@1, pass@k "
+        "(--checkpoint RUN|CHECKPOINT|MODEL_DIR, --n N prompts, --k K samples, --out FILE.json)"
+    )
+    evaluate = _sources_parser(sub, "eval", eval_help)
+    evaluate.set_defaults(func=_cmd_eval)
+
     plot = sub.add_parser("plot", help="draw reward, loss and throughput curves of a run into DIR/plots")
     plot.add_argument("run_dir", metavar="DIR", help="a run's output directory (holds metrics.jsonl)")
     plot.set_defaults(func=_cmd_plot)
@@ -310,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Commands whose trailing words are config sources. Their order matters and they look
 # like unknown options to argparse, so they are split off before parsing.
-SOURCE_COMMANDS = (("train",), ("config", "show"))
+SOURCE_COMMANDS = (("train",), ("eval",), ("config", "show"))
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -425,6 +425,17 @@ class MetricsConfig(Section):
     )
 
 
+class EvalConfig(Section):
+    """`meshrl eval` and evaluation during training: the task's eval prompts, greedy and sampled."""
+
+    interval: int = Field(
+        0, ge=0, description="Evaluate the policy every N steps during training, beside it (0 = never)."
+    )
+    n: int = Field(16, ge=1, description="Evaluation prompts (the task's eval split, else a held-out stream).")
+    k: int = Field(4, ge=1, description="Sampled episodes per prompt, for pass@k and the sampled mean reward.")
+    success_threshold: float = Field(1.0, description="An episode passes (pass@k) when its reward reaches this.")
+
+
 # --------------------------------------------------------------------------- run
 
 
@@ -487,6 +498,7 @@ class RunConfig(Section):
     task: TaskConfig = Field(default_factory=TaskConfig, description="Prompts and verifier.")
     ckpt: CkptConfig = Field(default_factory=CkptConfig, description="Checkpointing.")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Metric sinks and display.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation (meshrl eval, eval.interval).")
     ingress: IngressConfig = Field(default_factory=IngressConfig, description="Rollout workers outside the mesh.")
 
     @model_validator(mode="after")

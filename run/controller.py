@@ -41,6 +41,7 @@ from meshrl.rollouts.advantages import group_advantages
 from meshrl.rollouts.batches import aux_shards, rl_shards, rollout_trace
 from meshrl.rollouts.episodes import EpisodeFormat, Rollout, fresh_rollouts
 from meshrl.rollouts.scheduler import FinishedGroup, GroupRequest
+from meshrl.run.evaluate import BackgroundEval
 from meshrl.run.export import export_model
 from meshrl.run.plots import plot
 from meshrl.run.progress import Progress
@@ -137,6 +138,7 @@ class Controller:
         self.teacher_latest: dict[int, dict[str, float]] = {}  # teacher rank -> its live actor's counters
         self.offline_states = self._offline_states()
         self.timeline: list[dict[str, Any]] = []  # this step's spans (see `_span`)
+        self.evaluator = BackgroundEval(config, self.model_path) if config.eval.interval else None
         self.ingress: IngressServer | None = None
         self.ingress_version = -1  # newest policy version handed to the ingress
 
@@ -187,6 +189,8 @@ class Controller:
         return holder[0]
 
     def shutdown(self) -> None:
+        if self.evaluator is not None:
+            self.evaluator.close()
         if self.ingress is not None:
             self.ingress.close()
         for pool in (getattr(self, "generators", None), getattr(self, "teachers", None)):
@@ -497,6 +501,20 @@ class Controller:
     def _teacher_stats(self) -> dict[str, float]:
         return {f"teacher/{k}": float(v) for k, v in {**self._teacher_totals(), **self.teacher_counts}.items()}
 
+    # ------------------------------------------------------------------ evaluation
+
+    def _eval_round(self) -> dict[str, float]:
+        """Every `eval.interval` steps the new policy's weights go to the background evaluation
+        (unless one is still running: skipped); a finished one's metrics go into this step's
+        record. The last step evaluates the final policy and waits for it."""
+        if self.evaluator is None:
+            return {}
+        last = self.step == self.config.max_steps
+        stats = self.evaluator.done(wait=last)
+        if self.step % self.config.eval.interval == 0 or last:
+            self.evaluator.start(self.trainers.policy_weights.call().get().item(rank=0), self.step)
+        return self.evaluator.done(wait=True) if last else stats
+
     # ------------------------------------------------------------------ checkpoints
 
     def save(self) -> None:
@@ -603,8 +621,9 @@ class Controller:
                 timings = {"time/weight_sync": self.publish(self.step)}
                 self.timeline.append(_span("weights", publish_wall, time.time(), self.step - 1))
                 teacher_stats = self._teacher_round(fresh)
+                eval_stats = self._eval_round()
             except HostLost as exc:  # record the step trained before stopping, so resume has no gap
-                lost, timings, teacher_stats = exc, {}, {}
+                lost, timings, teacher_stats, eval_stats = exc, {}, {}, {}
 
             sampled = [v for r in fresh for v in r.versions]
             gen_seconds = max(g.finished for g in request.groups) - min(g.started for g in request.groups)
@@ -624,6 +643,7 @@ class Controller:
                 **{k: v for k, v in metrics.items()},
                 **{f"collate/{k}": v for k, v in asdict(aux.stats).items()},
                 **teacher_stats,
+                **eval_stats,
                 **(self._ingress_stats(fresh) if self.ingress is not None else {}),
                 "rollout_tokens_per_s": len(sampled) / max(gen_seconds, 1e-9),
                 "train_tokens_per_s": rl.tokens / max(train_seconds, 1e-9),

@@ -52,10 +52,22 @@ def records(out: Path) -> list[dict]:
 
 def test_short_run_through_real_meshes(tmp_path):
     out = tmp_path / "run"
-    result = train(out, "--max-steps", "3", "--topology.trainer.procs", "2", "--ckpt.interval", "2")
+    evals = ["--eval.interval", "2", "--eval.n", "2", "--eval.k", "2"]
+    result = train(out, "--max-steps", "3", "--topology.trainer.procs", "2", "--ckpt.interval", "2", *evals)
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = records(out)
     assert [r["step"] for r in metrics] == [0, 1, 2]
+    # Evaluation beside training (policy 2's starts after step 1; when it lands depends on timing):
+    # the last step evaluates the final policy 3 and waits; `meshrl eval` of the final checkpoint agrees.
+    assert metrics[-1]["eval/policy_version"] == 3 and "eval/pass@2" in metrics[-1]
+    evaluated = subprocess.run([*MESHRL, "eval", "@", str(out / "config.toml"), "--checkpoint", str(out), "--n", "2",
+                                "--k", "2", "--out", str(out / "eval.json")], capture_output=True, text=True,
+                               timeout=240, cwd=REPO, env=ENV)  # fmt: skip
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    saved = json.loads((out / "eval.json").read_text())
+    assert saved["checkpoint"] == str(out / "checkpoints" / "step_3" / "model")
+    assert saved["eval/reward_greedy"] == pytest.approx(metrics[-1]["eval/reward_greedy"])
+    assert "eval/pass@2" in evaluated.stdout
     for r in metrics:
         for key in ("reward/mean", "loss/total", "policy_version", "staleness", "rollout_tokens_per_s",
                     "train_tokens_per_s", "time/weight_sync"):  # fmt: skip

@@ -1,0 +1,103 @@
+"""Evaluate a policy: a saved one (`meshrl eval --checkpoint`), or the training one every
+`eval.interval` steps on a thread of the controller, beside training (it never waits for it)."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer
+
+from meshrl.configs.schema import RunConfig
+from meshrl.inference.backends import make_engine
+from meshrl.rollouts.episodes import EpisodeFormat
+from meshrl.rollouts.evaluation import EvalPlan, EvalResult, eval_prompts, evaluate
+from meshrl.rollouts.scheduler import Sampling
+from meshrl.run.run_dir import RunDir, write_atomic
+from meshrl.tasks.base import make_task
+
+
+def model_dir(checkpoint: str | Path) -> Path:
+    """An HF model directory from what a user names: a run directory (its newest complete
+    checkpoint), a checkpoint directory (its model/), or a model directory (an export)."""
+    path = Path(checkpoint)
+    if (path / "config.toml").is_file() and not (path / "config.json").is_file():
+        latest = RunDir(path).latest_checkpoint()
+        if latest is None:
+            raise ValueError(f"{path / 'checkpoints'}: no complete checkpoint to evaluate")
+        path = latest
+    if (path / "model" / "config.json").is_file():
+        path = path / "model"
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{checkpoint}: not a run, checkpoint or HF model directory (no config.json found)")
+    return path
+
+
+def plan_for(config: RunConfig) -> EvalPlan:
+    g, e = config.generator, config.eval
+    return EvalPlan(
+        prompts=eval_prompts(make_task(config.task), e.n, config.seed),
+        k=e.k,
+        success_threshold=e.success_threshold,
+        sampling=Sampling(g.temperature, g.top_p, g.max_new_tokens),
+        max_episodes=g.max_concurrent_episodes,
+        max_tokens=g.max_concurrent_tokens,
+        seed=config.seed,
+    )
+
+
+def _episodes(config: RunConfig, path: str | Path) -> EpisodeFormat:
+    return EpisodeFormat(AutoTokenizer.from_pretrained(path), make_task(config.task), config.model.tool_parser)
+
+
+def evaluate_checkpoint(config: RunConfig, checkpoint: str | Path, out: Path | None = None) -> EvalResult:
+    """Evaluate a saved model on this host (the first GPU if any, else the CPU); the result is
+    also written to `out` as JSON when given."""
+    path = model_dir(checkpoint)
+    gpus = [0] if torch.cuda.is_available() else []
+    engine = make_engine(config.generator.backend if gpus else "hf", str(path), config.model.dtype, gpus)
+    result = evaluate(engine, _episodes(config, path), plan_for(config))
+    if out is not None:
+        write_atomic(out, json.dumps({"checkpoint": str(path), **asdict(result), **result.metrics()}, indent=1) + "\n")
+    return result
+
+
+class BackgroundEval:
+    """Evaluations of the training policy on one thread of the controller, on a CPU HF engine of
+    its own: `start` hands it a version's weights unless one is still running; `done` returns
+    the finished one's metrics (with the version they are of) once."""
+
+    def __init__(self, config: RunConfig, model_path: str) -> None:
+        self.config, self.model_path = config, model_path
+        self.plan = plan_for(config)
+        self.engine: Any = None
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eval")
+        self.running: Future[dict[str, float]] | None = None
+
+    def start(self, weights: dict[str, torch.Tensor], version: int) -> bool:
+        if self.running is not None:
+            return False
+        self.running = self.pool.submit(self._evaluate, weights, version)
+        return True
+
+    def _evaluate(self, weights: dict[str, torch.Tensor], version: int) -> dict[str, float]:
+        if self.engine is None:
+            self.engine = make_engine("hf", self.model_path, self.config.model.dtype, [])
+            self.episodes = _episodes(self.config, self.model_path)
+        self.engine.load_weights(weights, version)
+        return {**evaluate(self.engine, self.episodes, self.plan).metrics(), "eval/policy_version": float(version)}
+
+    def done(self, wait: bool = False) -> dict[str, float]:
+        """The finished evaluation's metrics, or {} (none finished); `wait` waits for a running one.
+        An evaluation that failed raises here, in the controller."""
+        if self.running is None or not (wait or self.running.done()):
+            return {}
+        future, self.running = self.running, None
+        return future.result()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
