@@ -131,6 +131,7 @@ class RolloutWorker:
         }  # expired: free the slot
         leases = self.client.lease(max(0, self.max_groups - len(self.held)))  # n = 0: the newest version only
         if leases:
+            self.log(f"worker: leased {len(leases)} groups")
             self.stats.leased += len(leases)
             for lease in leases:
                 self.held[lease.lease_id] = time.monotonic() + lease.expires_in_s

@@ -15,15 +15,17 @@ from test_train import ENV, MESHRL, REPO, SMALL, records, train
 from meshrl.ingress.keys import generate_keys
 
 
-def _worker(address: str, keys: Path, name: str, log: Path) -> subprocess.Popen:
+def _worker(address: str, keys: Path, name: str, log: Path, score_delay_s: float = 0.0) -> subprocess.Popen:
     args = [*MESHRL, "rollout-worker", "--connect", address, "--server-key", str(keys / "server.key"),
             "--key", str(keys / f"{name}.key_secret"), "--timeout-s", "5"]  # fmt: skip
-    return subprocess.Popen(args, cwd=REPO, env=ENV, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    env = {**ENV, "ECHO_SCORE_DELAY_S": str(score_delay_s)}
+    return subprocess.Popen(args, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
-def _wait_for(log: Path, text: str, timeout: float = 180) -> None:
+def _wait_for(log: Path, text: str, timeout: float = 180, after: str | None = None) -> None:
+    """Until `text` is in the log (after the first `after`, when given)."""
     deadline = time.time() + timeout
-    while text not in log.read_text():
+    while text not in (log.read_text().partition(after)[2] if after else log.read_text()):
         assert time.time() < deadline, f"no {text!r} in {log} within {timeout} s:\n{log.read_text()[-2000:]}"
         time.sleep(0.2)
 
@@ -46,12 +48,16 @@ def test_run_with_outside_workers_a_killed_one_and_a_resume(tmp_path):
     ]  # fmt: skip
     logs = {name: tmp_path / f"{name}.log" for name in ("a", "b", "stranger")}
     # All three wait for the controller (retrying); the stranger is refused at its first handshake.
-    workers = {name: _worker(address, keys, name, logs[name]) for name in ("a", "b", "stranger")}
+    # b scores each episode 1 s long, so once it leases it holds the lease that long: killed then,
+    # it dies holding leases whatever the timing (an unpaced b could submit before the kill).
+    workers = {name: _worker(address, keys, name, logs[name], 1.0 if name == "b" else 0.0)
+               for name in ("a", "b", "stranger")}  # fmt: skip
     try:
         first = subprocess.Popen([*MESHRL, "train", *SMALL, *ingress, "--max-steps", "9"], cwd=REPO, env=ENV,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
         _wait_for(logs["b"], "'accepted'")
-        workers["b"].send_signal(signal.SIGKILL)  # it leases again as soon as it submits: killed holding leases
+        _wait_for(logs["b"], "leased", after="'accepted'")  # it leases again after it submits
+        workers["b"].send_signal(signal.SIGKILL)  # killed holding leases
         assert workers["stranger"].wait(timeout=120) == 1
         assert "refused this worker's key" in logs["stranger"].read_text()
         _, stderr = first.communicate(timeout=300)
