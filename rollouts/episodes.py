@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from meshrl.inference.completion import Completion
 from meshrl.inference.toolcalls import decode_turn
-from meshrl.tasks.base import Prompt, Task, ToolResult, task_tools
+from meshrl.tasks.base import Prompt, Score, Scoring, Stopping, Task, ToolResult, task_tools
 from meshrl.traces.collator import TraceCollator
 
 
@@ -29,6 +29,7 @@ class Rollout:
     versions: list[int]  # policy version that sampled each masked token, in order
     finish_reason: str = "stop"
     reward: float | None = None
+    score: Score | None = None  # the rubric's parts, for tasks that score by rubric (`Scoring`)
     turns: int = 0
     tool_errors: int = 0
     info: dict[str, Any] = field(default_factory=dict)
@@ -42,6 +43,18 @@ class Rollout:
 def fresh_rollouts(rollouts: list[Rollout], step: int, max_off_policy_steps: int) -> list[Rollout]:
     """The rollouts whose oldest token was sampled at most `max_off_policy_steps` versions before `step`."""
     return [r for r in rollouts if step - r.version <= max_off_policy_steps]
+
+
+def rubric_means(rollouts: list[Rollout]) -> dict[str, float]:
+    """Each rubric part's mean over the rollouts that carry it: `rubric/<component>`, `task_metric/<metric>`."""
+    values: dict[str, list[float]] = {}
+    for rollout in rollouts:
+        if rollout.score is None:
+            continue
+        for prefix, parts in (("rubric", rollout.score.components), ("task_metric", rollout.score.metrics)):
+            for name, value in parts.items():
+                values.setdefault(f"{prefix}/{name}", []).append(value)
+    return {key: sum(v) / len(v) for key, v in values.items()}
 
 
 class EpisodeFormat:
@@ -88,8 +101,10 @@ class EpisodeFormat:
         return calls if completion.finish_reason == "stop" else []
 
     def goes_on(self, rollout: Rollout, calls: list[dict[str, Any]]) -> bool:
-        """Whether another assistant turn follows the one just added."""
-        return bool(calls) and rollout.turns < self.task.max_turns
+        """Whether another assistant turn follows the one just added (and its tool results)."""
+        if not calls or rollout.turns >= self.task.max_turns:
+            return False
+        return not (isinstance(self.task, Stopping) and self.task.stops(rollout.prompt, rollout.messages))
 
     def call_tool(self, rollout: Rollout, call: dict[str, Any]) -> ToolResult:
         return self.task.call_tool(rollout.prompt, call["function"]["name"], call["function"]["arguments"])
@@ -118,4 +133,8 @@ class EpisodeFormat:
         return self._ids(tail + after[len(before) :])
 
     def score(self, rollout: Rollout) -> None:
-        rollout.reward = float(self.task.reward(rollout.prompt, rollout.messages))
+        if isinstance(self.task, Scoring):
+            rollout.score = self.task.score(rollout.prompt, rollout.messages)
+            rollout.reward = float(rollout.score.reward)
+        else:
+            rollout.reward = float(self.task.reward(rollout.prompt, rollout.messages))

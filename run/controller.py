@@ -39,7 +39,7 @@ from meshrl.ingress.verify import Scorer, Verifier
 from meshrl.models.tiny import ensure_tiny
 from meshrl.rollouts.advantages import group_advantages
 from meshrl.rollouts.batches import aux_shards, rl_shards, rollout_trace
-from meshrl.rollouts.episodes import EpisodeFormat, Rollout, fresh_rollouts
+from meshrl.rollouts.episodes import EpisodeFormat, Rollout, fresh_rollouts, rubric_means
 from meshrl.rollouts.scheduler import FinishedGroup, GroupRequest
 from meshrl.run.evaluate import BackgroundEval
 from meshrl.run.export import export_model
@@ -631,6 +631,7 @@ class Controller:
                 "step": self.step - 1,
                 "policy_version": self.step,
                 "reward/mean": sum(r.reward for r in fresh) / max(1, len(fresh)),
+                **rubric_means(fresh),
                 "rollouts": len(fresh),
                 "dropped_stale": self.dropped_stale,
                 "lost_rollouts": self.lost_rollouts,

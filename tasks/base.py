@@ -39,6 +39,15 @@ class ToolResult:
     is_error: bool = False
 
 
+@dataclass
+class Score:
+    """A rubric's verdict: the reward, and the named parts it was made of (logged, not trained on)."""
+
+    reward: float
+    components: dict[str, float] = field(default_factory=dict)  # reward terms, unweighted
+    metrics: dict[str, float] = field(default_factory=dict)  # observations that do not enter the reward
+
+
 @runtime_checkable
 class Task(Protocol):
     max_turns: int
@@ -51,6 +60,20 @@ class Task(Protocol):
 
     def reward(self, prompt: Prompt, messages: list[dict[str, Any]]) -> float:
         """Score a finished episode (the full conversation) in [0, 1]."""
+
+
+@runtime_checkable
+class Scoring(Protocol):
+    """Tasks whose reward is a rubric of named parts: `score` is used instead of `reward`."""
+
+    def score(self, prompt: Prompt, messages: list[dict[str, Any]]) -> Score: ...
+
+
+@runtime_checkable
+class Stopping(Protocol):
+    """Tasks that can end an episode before the assistant stops calling tools or `max_turns`."""
+
+    def stops(self, prompt: Prompt, messages: list[dict[str, Any]]) -> bool: ...
 
 
 # A task may declare its tools as `tools`: OpenAI function schemas

@@ -1,0 +1,138 @@
+"""verifiers (v1) tasksets as meshrl tasks: two written here (tests/fixtures/vf_single.py, a rubric
+with a stop hook; vf_calc.py, an MCP toolset) and the shipped example, in process and through
+`meshrl train` (real meshes, the tiny model: components logged, the reward their weighted sum)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("verifiers.v1")  # the [verifiers] extra (in [dev], so CI runs these)
+
+from meshrl.inference.completion import Completion
+from meshrl.models.tiny import build_tokenizer
+from meshrl.rollouts.batches import rollout_trace
+from meshrl.rollouts.episodes import EpisodeFormat, rubric_means
+from meshrl.tasks.verifiers_env import VerifiersTask
+from meshrl.traces.collator import TraceCollator
+from meshrl.traces.errors import ErrorClassifier
+
+sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
+from test_train import MESHRL, REPO, SMALL
+
+ENV = {**os.environ, "PYTHONPATH": str(REPO / "tests" / "fixtures")}
+
+
+@pytest.fixture(scope="module")
+def single() -> VerifiersTask:
+    return VerifiersTask("vf_single", {"system_prompt_text": "Digits only."}, eval_tasks=1)
+
+
+@pytest.fixture(scope="module")
+def calc() -> VerifiersTask:
+    return VerifiersTask("vf_calc")
+
+
+def _turn(episodes: EpisodeFormat, rollout, text: str) -> list[dict]:
+    ids = episodes.tokenizer(text, add_special_tokens=False)["input_ids"]
+    completion = Completion(rollout.token_ids, ids, [-0.5] * len(ids), "stop", [0] * len(ids))
+    return episodes.add_turn(rollout, completion)
+
+
+def test_prompts_args_and_the_eval_split(single):
+    prompts = single.sample_prompts(random.Random(0), 20)
+    assert {p.messages[0]["content"] for p in prompts} == {"Digits only."}  # the taskset config arg
+    assert {p.messages[1]["content"] for p in prompts} == {"What is 2+3?", "What is 4+4?"}
+    assert len({p.prompt_id for p in prompts}) == 20  # each draw is its own group
+    assert {p.messages[1]["content"] for p in single.eval_prompts(random.Random(0), 5)} == {"What is 1+6?"}
+    with pytest.raises(ValueError, match=r"task.kwargs.args for 'vf_single' \(QATasksetConfig\)"):
+        VerifiersTask("vf_single", {"system_prompt_text": 3})
+    with pytest.raises(ValueError, match="task.kwargs.eval_tasks 3"):
+        VerifiersTask("vf_single", eval_tasks=3)
+    with pytest.raises(ModuleNotFoundError, match="no_such_taskset"):
+        VerifiersTask("no_such_taskset")
+
+
+def test_rubric_components_stop_hooks_and_the_episode_format(single):
+    """The v1 rubric scores the episode meshrl ran: reward = weighted sum, components and metrics
+    kept; the task's @vf.stop (one turn) ends an episode that still calls tools."""
+    tok = build_tokenizer(512, "hermes")
+    episodes = EpisodeFormat(tok, single, "hermes")
+    (prompt,) = single.sample_prompts(random.Random(3), 1)
+    answer = {"What is 2+3?": "5", "What is 4+4?": "8"}[prompt.messages[1]["content"]]
+    rollout = episodes.start(prompt)
+    calls = _turn(episodes, rollout, '<tool_call>\n{"name": "x", "arguments": {}}\n</tool_call><|im_end|>')
+    assert calls and not episodes.goes_on(rollout, calls)  # the stop hook, not max_turns (4)
+    episodes.score(rollout)
+    assert rollout.reward == 0.5 and rollout.score.components == {"correct": 0.0, "short": 1.0}
+    rollout = episodes.start(prompt)
+    _turn(episodes, rollout, f"{answer}<|im_end|>")
+    episodes.score(rollout)
+    assert rollout.reward == 1.5 and rollout.score.metrics == {"reply_len": 1.0}
+    assert rubric_means([rollout, rollout]) == {
+        "rubric/correct": 1.0,
+        "rubric/short": 1.0,
+        "task_metric/reply_len": 1.0,
+    }
+
+
+def test_mcp_tools_reach_the_template_and_run_in_an_episode(calc):
+    """Hermes-templated tokenizer (real-checkpoint shape): the toolset's MCP schema is rendered,
+    the parsed call runs on the in-process MCP server, bad arguments are a tool error the
+    episode goes on from, and the collator renders the episode to the ids the policy saw."""
+    assert calc.tools == [
+        {"type": "function", "function": {"name": "calc_add", "description": "Add two integers.", "parameters": {
+            "properties": {"a": {"title": "A", "type": "integer"}, "b": {"title": "B", "type": "integer"}},
+            "required": ["a", "b"], "title": "addArguments", "type": "object"}}}
+    ]  # fmt: skip
+    tok = build_tokenizer(512, "hermes")
+    episodes = EpisodeFormat(tok, calc, "hermes")
+    prompt = next(p for p in calc.sample_prompts(random.Random(0), 10) if "17+25" in p.messages[0]["content"])
+    rollout = episodes.start(prompt)
+    assert '"name": "calc_add"' in tok.decode(rollout.token_ids)
+    for text, expect in [
+        ('<tool_call>\n{"name": "calc_add", "arguments": {"a": "x", "b": 1}}\n</tool_call><|im_end|>', True),
+        ('<tool_call>\n{"name": "calc_add", "arguments": {"a": 17, "b": 25}}\n</tool_call><|im_end|>', False),
+    ]:
+        calls = _turn(episodes, rollout, text)
+        results = [episodes.call_tool(rollout, c) for c in calls]
+        assert [r.is_error for r in results] == [expect]
+        episodes.add_tool_results(rollout, calls, results)
+        assert episodes.goes_on(rollout, calls)
+    assert rollout.messages[-1]["content"] == "42" and rollout.tool_errors == 1
+    _turn(episodes, rollout, "It is 42.<|im_end|>")
+    episodes.score(rollout)
+    assert rollout.reward == 1.5 and rollout.score.components == {"correct": 1.0, "used_tool": 1.0}
+    batch = TraceCollator(tok, tools=calc.tools)([rollout_trace(rollout, ErrorClassifier())]).batch
+    assert batch["input_ids"][0][: len(rollout.token_ids)].tolist() == rollout.token_ids
+
+
+def test_shipped_example_scores_the_asked_letter():
+    task = VerifiersTask("meshrl.tasks.vf_letters")
+    (prompt,) = task.sample_prompts(random.Random(0), 1)
+    letter = prompt.messages[0]["content"].split("many ")[1][0]
+    score = task.score(prompt, [*prompt.messages, {"role": "assistant", "content": f"{letter}{letter}x y"}])
+    assert score.components == {"letter_share": 0.5, "answered": 1.0} and score.reward == 0.5
+
+
+def test_train_on_a_verifiers_taskset_through_real_meshes(tmp_path):
+    """`meshrl train` with the single-turn taskset: every rubric part logged each step, and the
+    step's reward/mean is their weighted sum (1 x correct + 0.5 x short) over the same rollouts."""
+    out = tmp_path / "run"
+    kwargs = json.dumps({"env": "vf_single", "args": {"system_prompt_text": "Digits only."}})
+    args = [*MESHRL, "train", *SMALL, "--output-dir", str(out), "--max-steps", "2",
+            "--task.import_path", "meshrl.tasks.verifiers_env:VerifiersTask", "--task.kwargs", kwargs,
+            "--loss.replay.weight", "0", "--loss.sdpo.weight", "0", "--teachers.members", "[]"]  # fmt: skip
+    result = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=REPO, env=ENV)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1]
+    for r in records:
+        assert r["reward/mean"] == pytest.approx(r["rubric/correct"] + 0.5 * r["rubric/short"])
+        assert "task_metric/reply_len" in r
