@@ -37,6 +37,9 @@ class Section(BaseModel):
 # --------------------------------------------------------------------------- model
 
 
+ToolParserName = Literal["hermes", "tiny", "llama3", "mistral"]  # inference.toolcalls.PARSERS' keys
+
+
 class TinyModelConfig(Section):
     vocab_size: int = Field(
         1024, ge=64, le=65536, description="Vocabulary of the locally built byte-level BPE tokenizer."
@@ -87,7 +90,7 @@ class ModelConfig(Section):
     logprob_chunk_size: int = Field(
         1024, ge=16, description="Tokens per LM-head chunk when computing logprobs (bounds the logits memory)."
     )
-    tool_parser: Literal["hermes", "tiny", "llama3", "mistral"] = Field(
+    tool_parser: ToolParserName = Field(
         "hermes",
         description="How sampled turns become tool calls: hermes (Hermes/Qwen <tool_call> JSON; tiny is the same "
         "form), llama3 (JSON calls, <|python_tag|>), mistral ([TOOL_CALLS]).",
@@ -344,9 +347,7 @@ class HfTeacher(Section):
     backend: Literal["hf"] = Field("hf", description="A local HF model.")
     name: str = Field(..., min_length=1, description="Teacher name recorded on mined pairs.")
     path: str = Field(..., min_length=1, description="Local HF model directory.")
-    tool_parser: Literal["hermes", "tiny", "llama3", "mistral"] = Field(
-        "hermes", description="The teacher's tool-call form (see model.tool_parser)."
-    )
+    tool_parser: ToolParserName = Field("hermes", description="The teacher's tool-call form (see model.tool_parser).")
 
 
 class OpenAITeacher(Section):

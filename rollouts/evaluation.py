@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from meshrl.rollouts.episodes import EpisodeFormat, Rollout
+from meshrl.rollouts.episodes import EpisodeFormat, Rollout, rubric_means
 from meshrl.rollouts.scheduler import EpisodeScheduler, GroupRequest, Sampling
 from meshrl.tasks.base import Prompt, Task
 
@@ -28,6 +28,7 @@ class EvalResult:
     reward_sampled: float
     pass_at_1: float
     pass_at_k: float
+    rubric: dict[str, float] = field(default_factory=dict)  # the sampled episodes' rubric parts (`rubric_means`)
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -35,6 +36,7 @@ class EvalResult:
             "eval/reward_sampled": self.reward_sampled,
             "eval/pass@1": self.pass_at_1,
             f"eval/pass@{self.k}": self.pass_at_k,
+            **{f"eval/{key}": value for key, value in self.rubric.items()},
         }
 
 
@@ -95,4 +97,5 @@ def evaluate(engine: object, episodes: EpisodeFormat, plan: EvalPlan) -> EvalRes
         reward_sampled=sum(rewards) / len(rewards),
         pass_at_1=sum(pass_at_k(k, c, 1) for c in passed) / n,
         pass_at_k=sum(pass_at_k(k, c, k) for c in passed) / n,
+        rubric=rubric_means([r for group in sampled for r in group]),
     )

@@ -78,11 +78,10 @@ class BackgroundEval:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eval")
         self.running: Future[dict[str, float]] | None = None
 
-    def start(self, weights: dict[str, torch.Tensor], version: int) -> bool:
-        if self.running is not None:
-            return False
-        self.running = self.pool.submit(self._evaluate, weights, version)
-        return True
+    def start(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        """Evaluate `weights` on the pool's thread, unless an evaluation is still running (then skipped)."""
+        if self.running is None:
+            self.running = self.pool.submit(self._evaluate, weights, version)
 
     def _evaluate(self, weights: dict[str, torch.Tensor], version: int) -> dict[str, float]:
         if self.engine is None:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import random
+from typing import get_args
 
 import pytest
 
+from meshrl.configs.schema import ToolParserName
 from meshrl.inference.completion import Completion
-from meshrl.inference.toolcalls import MALFORMED, decode_turn, parse_tool_calls
+from meshrl.inference.toolcalls import MALFORMED, PARSERS, decode_turn, parse_tool_calls
 from meshrl.models.tiny import build_tokenizer
 from meshrl.rollouts.batches import rollout_trace
 from meshrl.rollouts.episodes import EpisodeFormat
@@ -81,6 +83,10 @@ def test_decode_keeps_the_parsers_special_markers_and_drops_the_rest():
     assert [_fn(c) for c in parsed.tool_calls] == [("lookup", {"key": "a"})]
     ids = tok('<|python_tag|>{"name": "f", "parameters": {}}', add_special_tokens=False)["input_ids"]
     assert [_fn(c) for c in decode_turn(tok, ids, "llama3").tool_calls] == [("f", {})]
+
+
+def test_the_config_offers_exactly_the_parsers():
+    assert set(get_args(ToolParserName)) == set(PARSERS)
 
 
 def test_task_tools_are_checked():

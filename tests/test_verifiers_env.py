@@ -123,12 +123,14 @@ def test_shipped_example_scores_the_asked_letter():
 
 def test_train_on_a_verifiers_taskset_through_real_meshes(tmp_path):
     """`meshrl train` with the single-turn taskset: every rubric part logged each step, and the
-    step's reward/mean is their weighted sum (1 x correct + 0.5 x short) over the same rollouts."""
+    step's reward/mean is their weighted sum (1 x correct + 0.5 x short) over the same rollouts;
+    so is the final evaluation's, on the held-out task."""
     out = tmp_path / "run"
-    kwargs = json.dumps({"env": "vf_single", "args": {"system_prompt_text": "Digits only."}})
+    kwargs = json.dumps({"env": "vf_single", "args": {"system_prompt_text": "Digits only."}, "eval_tasks": 1})
     args = [*MESHRL, "train", *SMALL, "--output-dir", str(out), "--max-steps", "2",
             "--task.import_path", "meshrl.tasks.verifiers_env:VerifiersTask", "--task.kwargs", kwargs,
-            "--loss.replay.weight", "0", "--loss.sdpo.weight", "0", "--teachers.members", "[]"]  # fmt: skip
+            "--loss.replay.weight", "0", "--loss.sdpo.weight", "0", "--teachers.members", "[]",
+            "--eval.interval", "2", "--eval.n", "2", "--eval.k", "2"]  # fmt: skip
     result = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=REPO, env=ENV)
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -136,3 +138,7 @@ def test_train_on_a_verifiers_taskset_through_real_meshes(tmp_path):
     for r in records:
         assert r["reward/mean"] == pytest.approx(r["rubric/correct"] + 0.5 * r["rubric/short"])
         assert "task_metric/reply_len" in r
+    # the final policy's evaluation on the held-out task: its rubric parts too
+    assert records[-1]["eval/reward_sampled"] == pytest.approx(
+        records[-1]["eval/rubric/correct"] + 0.5 * records[-1]["eval/rubric/short"]
+    )
