@@ -7,6 +7,7 @@ import importlib.metadata
 import os
 import signal
 import sys
+import threading
 import typing
 from pathlib import Path
 
@@ -232,6 +233,21 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_lighthouse(args: argparse.Namespace) -> int:
+    from meshrl.trainer.islands import serve_lighthouse
+
+    lighthouse = serve_lighthouse(args.bind, args.min_islands, args.join_timeout_ms, args.heartbeat_timeout_ms)
+    print(
+        f"lighthouse: {lighthouse.address()}  (islands: --trainer.diloco.lighthouse {lighthouse.address()})", flush=True
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    lighthouse.shutdown()
+    return 0
+
+
 def _cmd_keys_generate(args: argparse.Namespace) -> int:
     from meshrl.ingress.keys import generate_keys
 
@@ -307,6 +323,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="let plain tcp bind a non-loopback address (no encryption, no authentication: trusted networks only)",
     )
     worker.set_defaults(func=_cmd_worker)
+
+    lighthouse_help = "torchft's lighthouse: membership and quorums of DiLoCo islands (trainer.diloco)"
+    lighthouse = sub.add_parser("lighthouse", help=lighthouse_help, description=lighthouse_help)
+    lighthouse.add_argument("--bind", default="[::]:29510", help="address to listen on (default [::]:29510)")
+    lighthouse.add_argument(
+        "--min-islands", type=int, default=1, help="fewest islands a quorum forms with (default 1: survivors go on)"
+    )
+    lighthouse.add_argument(
+        "--join-timeout-ms", type=int, default=60_000, help="how long a quorum waits for islands still joining"
+    )
+    lighthouse.add_argument(
+        "--heartbeat-timeout-ms", type=int, default=5_000, help="silence after which an island is counted gone"
+    )
+    lighthouse.set_defaults(func=_cmd_lighthouse)
 
     keys_help = "CURVE key pairs for the ingress (controller and rollout workers)"
     keys_parser = sub.add_parser("keys", help=keys_help, description=keys_help)

@@ -245,6 +245,47 @@ class GeneratorConfig(Section):
 # --------------------------------------------------------------------------- trainer
 
 
+class DilocoConfig(Section):
+    """DiLoCo across trainer islands through torchft (README "Training across clusters")."""
+
+    replica_id: str | None = Field(
+        None, description="This island's name among the islands (unset: DiLoCo off, one ordinary trainer mesh)."
+    )
+    lighthouse: str | None = Field(
+        None,
+        description="torchft lighthouse address, http://HOST:PORT (`meshrl lighthouse`; unset: $TORCHFT_LIGHTHOUSE).",
+    )
+    host: str | None = Field(
+        None, description="The name other islands reach this island's trainer at (unset: this host's name)."
+    )
+    sync_every: int = Field(20, ge=1, description="H: inner (trainer) steps between outer steps of a fragment.")
+    fragments: int = Field(
+        1, ge=1, description="Streaming DiLoCo: the model in this many fragments, synced in turn (1 = plain DiLoCo)."
+    )
+    fragment_sync_delay: int = Field(
+        0, ge=0, description="Streaming DiLoCo: inner steps a fragment's all-reduce overlaps before it is applied."
+    )
+    outer_lr: float = Field(0.7, gt=0, description="Outer SGD learning rate (the DiLoCo paper's 0.7).")
+    outer_momentum: float = Field(0.9, ge=0, lt=1, description="Outer SGD momentum (the paper's 0.9).")
+    outer_nesterov: bool = Field(True, description="Nesterov outer momentum (the paper's choice).")
+    min_islands: int = Field(1, ge=1, description="Fewest islands an outer step commits with (more: it waits).")
+    timeout_s: float = Field(60.0, gt=0, description="torchft collective and connect timeout.")
+    quorum_timeout_s: float = Field(
+        1800.0, gt=0, description="How long an island waits at an outer step for the others to arrive."
+    )
+
+    @model_validator(mode="after")
+    def _schedule(self) -> DilocoConfig:
+        if self.sync_every % self.fragments:
+            raise ValueError(f"sync_every {self.sync_every} is not a multiple of fragments {self.fragments}")
+        if self.fragment_sync_delay >= self.sync_every // self.fragments:
+            raise ValueError(
+                f"fragment_sync_delay {self.fragment_sync_delay} must be below sync_every / fragments "
+                f"({self.sync_every // self.fragments}): a fragment syncs before its next turn"
+            )
+        return self
+
+
 class TrainerConfig(Section):
     lr: float = Field(1e-4, gt=0, description="Peak AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
@@ -267,6 +308,13 @@ class TrainerConfig(Section):
     warm_start_keep_optimizer: bool = Field(
         False, description="RL continues the warm start's AdamW moments (default: RL starts with fresh ones)."
     )
+    diloco: DilocoConfig = Field(default_factory=DilocoConfig, description="DiLoCo across islands (torchft).")
+
+    @model_validator(mode="after")
+    def _diloco_replicates(self) -> TrainerConfig:
+        if self.diloco.replica_id is not None and self.parallelism == "fsdp2":
+            raise ValueError("trainer.diloco needs trainer.parallelism = 'ddp' (each rank syncs whole parameters)")
+        return self
 
 
 # --------------------------------------------------------------------------- loss

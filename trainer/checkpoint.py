@@ -32,6 +32,7 @@ class TrainerState:
     skipped_steps: int
     rng: dict[str, Any]
     reference: dict[str, torch.Tensor] | None
+    islands: dict[str, Any] | None = None  # DiLoCo's outer state (`Islands.state`) when training in islands
 
 
 def own_copy(state: Any, clone_tensors: bool) -> Any:
@@ -61,6 +62,7 @@ def write_checkpoint(
             "scheduler": state.scheduler,
             "skipped_steps": state.skipped_steps,
             "rng": state.rng,
+            "islands": state.islands,
         },
         directory / "trainer.pt",
     )

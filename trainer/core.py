@@ -22,7 +22,7 @@ import math
 import random
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -43,6 +43,9 @@ from meshrl.configs.schema import RunConfig
 from meshrl.loss_adapters.compose import REPLAY_KEYS, compose_loss, reference_sums, rl_loss_fn
 from meshrl.loss_adapters.logprobs import sequence_token_logprobs
 from meshrl.trainer.checkpoint import CheckpointWriter, TrainerState, own_copy, write_checkpoint
+
+if TYPE_CHECKING:
+    from meshrl.trainer.islands import Islands
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -146,6 +149,10 @@ class TrainerCore:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
         self.skipped_steps = 0
         self.writer = CheckpointWriter()
+        self.islands: Islands | None = (
+            None  # DiLoCo, joined at the first RL step (warm-start steps are not inner steps)
+        )
+        self._islands_state: dict[str, Any] | None = None  # a resumed checkpoint's, until then
 
     # ------------------------------------------------------------------ steps
 
@@ -238,6 +245,8 @@ class TrainerCore:
         all ranks: each RL micro-batch is normalised by rl_tokens / world so the cross-rank
         mean of gradients is Σ sample losses / rl_tokens, PRIME-RL's normalisation.
         """
+        if self.config.trainer.diloco.replica_id is not None and self.islands is None:
+            self._join_islands()
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}
         for batch, weight in self._passes(rl_shards, rank):
@@ -264,8 +273,18 @@ class TrainerCore:
             + self.config.loss.replay.weight * metrics.get("loss/replay", 0.0)
             + self.config.loss.sdpo.weight * metrics.get("loss/sdpo", 0.0)
         )
-        metrics.update(self._apply())
+        metrics.update(self._apply())  # every DiLoCo-th step, the outer step runs in its hooks
+        if self.islands is not None:
+            metrics.update(self.islands.metrics())
         return metrics
+
+    def _join_islands(self) -> None:
+        from meshrl.trainer.islands import Islands  # the optional [islands] extra
+
+        self.islands = Islands(self.config.trainer.diloco, self.model, self.optimizer, self.rank, self.world)
+        if self._islands_state is not None:
+            self.islands.load(self._islands_state)
+            self._islands_state = None
 
     def _aux_channels(self) -> list[str]:
         """Key prefixes of the live replay/SDPO channels. Each runs as its own pass, so under
@@ -340,6 +359,7 @@ class TrainerCore:
             skipped_steps=self.skipped_steps,
             rng={"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
             reference=reference,
+            islands=self.islands.state() if self.islands is not None else self._islands_state,
         )
         directory = Path(directory)
         self.writer.submit(
@@ -363,6 +383,10 @@ class TrainerCore:
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
         self.scheduler.load_state_dict(state["scheduler"])
         self.skipped_steps = state["skipped_steps"]
+        self._islands_state = state.get("islands")
+        if self.islands is not None and self._islands_state is not None:
+            self.islands.load(self._islands_state)
+            self._islands_state = None
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
