@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from meshrl.inference.completion import Completion
 from meshrl.inference.toolcalls import decode_turn
-from meshrl.tasks.base import Prompt, Score, Scoring, Stopping, Task, ToolResult, task_tools
+from meshrl.tasks.base import Ending, Prompt, Score, Scoring, Stopping, Task, ToolResult, task_tools
 from meshrl.traces.collator import TraceCollator
 
 
@@ -28,6 +28,7 @@ class Rollout:
     logprobs: list[float]  # the sampler's, 0 off the mask
     versions: list[int]  # policy version that sampled each masked token, in order
     finish_reason: str = "stop"
+    stop_condition: str = ""  # why the episode ended (`Ending.stop_condition`), set by `EpisodeFormat.goes_on`
     reward: float | None = None
     score: Score | None = None  # the rubric's parts, for tasks that score by rubric (`Scoring`)
     turns: int = 0
@@ -101,10 +102,17 @@ class EpisodeFormat:
         return calls if completion.finish_reason == "stop" else []
 
     def goes_on(self, rollout: Rollout, calls: list[dict[str, Any]]) -> bool:
-        """Whether another assistant turn follows the one just added (and its tool results)."""
-        if not calls or rollout.turns >= self.task.max_turns:
-            return False
-        return not (isinstance(self.task, Stopping) and self.task.stops(rollout.prompt, rollout.messages))
+        """Whether another assistant turn follows the one just added (and its tool results);
+        when none does, the rollout records why."""
+        if not calls:
+            rollout.stop_condition = "agent_completed"
+        elif rollout.turns >= self.task.max_turns:
+            rollout.stop_condition = "max_turns"
+        elif isinstance(self.task, Stopping) and (stop := self.task.stops(rollout.prompt, rollout.messages)):
+            rollout.stop_condition = stop
+        else:
+            return True
+        return False
 
     def call_tool(self, rollout: Rollout, call: dict[str, Any]) -> ToolResult:
         return self.task.call_tool(rollout.prompt, call["function"]["name"], call["function"]["arguments"])
@@ -134,7 +142,8 @@ class EpisodeFormat:
 
     def score(self, rollout: Rollout) -> None:
         if isinstance(self.task, Scoring):
-            rollout.score = self.task.score(rollout.prompt, rollout.messages)
+            ending = Ending(rollout.stop_condition, rollout.finish_reason)
+            rollout.score = self.task.score(rollout.prompt, rollout.messages, ending)
             rollout.reward = float(rollout.score.reward)
         else:
             rollout.reward = float(self.task.reward(rollout.prompt, rollout.messages))

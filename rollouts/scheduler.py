@@ -198,7 +198,8 @@ class EpisodeScheduler:
                     if calls:
                         results = await asyncio.gather(*(self._tool(rollout, call) for call in calls))
                         seq.extend(self.format.add_tool_results(rollout, calls, list(results)))
-                    if not self.format.goes_on(rollout, calls):
+                    # off the loop: a task's stop check may block (verifiers' run on their own loop)
+                    if not await self.loop.run_in_executor(self._tools, self.format.goes_on, rollout, calls):
                         break
             finally:
                 self._release(seq)

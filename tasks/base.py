@@ -62,18 +62,28 @@ class Task(Protocol):
         """Score a finished episode (the full conversation) in [0, 1]."""
 
 
+@dataclass
+class Ending:
+    """How an episode ended: `agent_completed` (a turn without tool calls), `max_turns`, or the
+    name of the task's stop that fired; and the last turn's finish reason (`length`: cut off)."""
+
+    stop_condition: str
+    finish_reason: str
+
+
 @runtime_checkable
 class Scoring(Protocol):
     """Tasks whose reward is a rubric of named parts: `score` is used instead of `reward`."""
 
-    def score(self, prompt: Prompt, messages: list[dict[str, Any]]) -> Score: ...
+    def score(self, prompt: Prompt, messages: list[dict[str, Any]], ending: Ending) -> Score: ...
 
 
 @runtime_checkable
 class Stopping(Protocol):
     """Tasks that can end an episode before the assistant stops calling tools or `max_turns`."""
 
-    def stops(self, prompt: Prompt, messages: list[dict[str, Any]]) -> bool: ...
+    def stops(self, prompt: Prompt, messages: list[dict[str, Any]]) -> str | None:
+        """The name of the stop that ends the episode after these messages, or None."""
 
 
 # A task may declare its tools as `tools`: OpenAI function schemas

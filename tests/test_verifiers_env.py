@@ -19,6 +19,7 @@ from meshrl.inference.completion import Completion
 from meshrl.models.tiny import build_tokenizer
 from meshrl.rollouts.batches import rollout_trace
 from meshrl.rollouts.episodes import EpisodeFormat, rubric_means
+from meshrl.tasks.base import Ending
 from meshrl.tasks.verifiers_env import VerifiersTask
 from meshrl.traces.collator import TraceCollator
 from meshrl.traces.errors import ErrorClassifier
@@ -57,6 +58,11 @@ def test_prompts_args_and_the_eval_split(single):
         VerifiersTask("vf_single", eval_tasks=3)
     with pytest.raises(ModuleNotFoundError, match="no_such_taskset"):
         VerifiersTask("no_such_taskset")
+    with pytest.raises(ValueError, match=r"task.kwargs.args.id"):
+        VerifiersTask("vf_single", {"id": "other"})
+    refused = r"'vf_refused' needs verifiers' own rollouts: SandboxTask.setup is overridden; tests_pass needs"
+    with pytest.raises(ValueError, match=refused):
+        VerifiersTask("vf_refused")
 
 
 def test_rubric_components_stop_hooks_and_the_episode_format(single):
@@ -69,17 +75,28 @@ def test_rubric_components_stop_hooks_and_the_episode_format(single):
     rollout = episodes.start(prompt)
     calls = _turn(episodes, rollout, '<tool_call>\n{"name": "x", "arguments": {}}\n</tool_call><|im_end|>')
     assert calls and not episodes.goes_on(rollout, calls)  # the stop hook, not max_turns (4)
+    assert rollout.stop_condition == "one_turn"
     episodes.score(rollout)
     assert rollout.reward == 0.5 and rollout.score.components == {"correct": 0.0, "short": 1.0}
+    assert rollout.score.metrics["stopped_by_hook"] == 1.0  # the trace's stop condition reaches the rubric
     rollout = episodes.start(prompt)
     _turn(episodes, rollout, f"{answer}<|im_end|>")
+    assert not episodes.goes_on(rollout, []) and rollout.stop_condition == "agent_completed"
     episodes.score(rollout)
-    assert rollout.reward == 1.5 and rollout.score.metrics == {"reply_len": 1.0}
-    assert rubric_means([rollout, rollout]) == {
-        "rubric/correct": 1.0,
-        "rubric/short": 1.0,
-        "task_metric/reply_len": 1.0,
-    }
+    assert rollout.reward == 1.5
+    assert rollout.score.metrics == {"reply_len": 1.0, "truncated": 0.0, "stopped_by_hook": 0.0}
+    assert rubric_means([rollout, rollout])["rubric/correct"] == 1.0
+    assert rubric_means([rollout])["task_metric/reply_len"] == 1.0
+    # a turn cut at max_new_tokens is truncated for verifiers (`trace.is_truncated`)
+    rollout = episodes.start(prompt)
+    ids = tok(answer, add_special_tokens=False)["input_ids"]
+    assert (
+        episodes.add_turn(rollout, Completion(rollout.token_ids, ids, [-0.5] * len(ids), "length", [0] * len(ids)))
+        == []
+    )
+    episodes.goes_on(rollout, [])
+    episodes.score(rollout)
+    assert rollout.score.metrics["truncated"] == 1.0
 
 
 def test_mcp_tools_reach_the_template_and_run_in_an_episode(calc):
@@ -113,11 +130,32 @@ def test_mcp_tools_reach_the_template_and_run_in_an_episode(calc):
     assert batch["input_ids"][0][: len(rollout.token_ids)].tolist() == rollout.token_ids
 
 
+def test_results_of_the_last_turns_calls_are_not_scored():
+    """meshrl answers the calls of an episode's last turn; verifiers never records those results,
+    so neither does the trace its rubric scores (`used_tool` stays 0 here, as it would there)."""
+    one_turn = VerifiersTask("vf_calc", max_turns=1)
+    tok = build_tokenizer(512, "hermes")
+    episodes = EpisodeFormat(tok, one_turn, "hermes")
+    prompt = next(p for p in one_turn.sample_prompts(random.Random(0), 10) if "17+25" in p.messages[0]["content"])
+    rollout = episodes.start(prompt)
+    call = '<tool_call>\n{"name": "calc_add", "arguments": {"a": 17, "b": 25}}\n</tool_call><|im_end|>'
+    calls = _turn(episodes, rollout, call)
+    episodes.add_tool_results(rollout, calls, [episodes.call_tool(rollout, c) for c in calls])
+    assert not episodes.goes_on(rollout, calls) and rollout.stop_condition == "max_turns"
+    assert rollout.messages[-1]["content"] == "42"
+    episodes.score(rollout)
+    assert rollout.score.components == {"correct": 0.0, "used_tool": 0.0}
+    # another process whose taskset lacks the task (a remote worker's dataset) rebuilds it from the prompt
+    one_turn.by_key.clear()
+    assert one_turn.score(prompt, rollout.messages, Ending("max_turns", "stop")) == rollout.score
+
+
 def test_shipped_example_scores_the_asked_letter():
     task = VerifiersTask("meshrl.tasks.vf_letters")
     (prompt,) = task.sample_prompts(random.Random(0), 1)
     letter = prompt.messages[0]["content"].split("many ")[1][0]
-    score = task.score(prompt, [*prompt.messages, {"role": "assistant", "content": f"{letter}{letter}x y"}])
+    reply = {"role": "assistant", "content": f"{letter}{letter}x y"}
+    score = task.score(prompt, [*prompt.messages, reply], Ending("agent_completed", "stop"))
     assert score.components == {"letter_share": 0.5, "answered": 1.0} and score.reward == 0.5
 
 
