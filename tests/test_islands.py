@@ -1,7 +1,10 @@
 """DiLoCo islands through torchft: two `meshrl train` islands on loopback (gloo, CPU) and a lighthouse.
 
 One run serves every assertion: island b is SIGKILLed after its first committed outer step with
-island a, a goes on alone, b comes back with `--resume` and heals to the global weights."""
+island a, a goes on alone, b comes back with `--resume`, heals to the global weights and syncs
+with a again. Condition-driven: a is paused at a step boundary (EchoTask's hold file) from its
+first outer step alone until the resumed b has trained a step (its torchft manager is up), so
+a cannot finish before b is back, however slow the machine."""
 
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
 from test_train import ENV, MESHRL, REPO, SMALL
 
 STEPS, H = 24, 2
-ISLAND = [*SMALL, "--max-steps", str(STEPS), "--ckpt.interval", "2", "--task.kwargs", '{"prompt_delay_s": 0.4}',
+ISLAND = [*SMALL, "--max-steps", str(STEPS), "--ckpt.interval", "2",
           "--loss.replay.weight", "0", "--loss.sdpo.weight", "0", "--teachers.members", "[]",
           "--trainer.diloco.sync_every", str(H), "--trainer.diloco.host", "localhost",
           "--trainer.diloco.timeout_s", "20", "--trainer.diloco.quorum_timeout_s", "120"]  # fmt: skip
@@ -35,8 +38,9 @@ def records(out: Path) -> list[dict]:
 
 
 def island(out: Path, name: str, lighthouse: str, *extra: str) -> subprocess.Popen:
+    hold = json.dumps({"prompt_delay_s": 0.2, "hold_file": str(out.parent / f"hold_{name}")})
     args = [*MESHRL, "train", *ISLAND, "--output-dir", str(out), "--trainer.diloco.replica_id", name,
-            "--trainer.diloco.lighthouse", lighthouse, *extra]  # fmt: skip
+            "--trainer.diloco.lighthouse", lighthouse, "--task.kwargs", hold, *extra]  # fmt: skip
     log = (out.parent / f"{name}.log").open("a")
     env = {**ENV, "RUST_LOG": "warn"}
     return subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=log, start_new_session=True)
@@ -72,10 +76,15 @@ def test_two_islands_sync_survive_a_death_and_heal_on_resume(tmp_path):
         os.killpg(b.pid, signal.SIGKILL)
         b.wait()
         killed_at = records(b_out)[-1]["step"]
-        # a goes on alone: a later outer step commits with one island
+        # a goes on alone: a later outer step commits with one island; then a waits for b
         wait_for(lambda: any(r.get("diloco/islands") == 1 and r["step"] > killed_at for r in records(a_out)), a,
                  "island a's outer step without b")  # fmt: skip
+        (tmp_path / "hold_a").touch()
         b = island(b_out, "b", lighthouse.address(), "--resume")
+        # The resumed b's first step has no quorum yet (0 islands); its manager is up from then on.
+        wait_for(lambda: any(r["step"] >= 2 and r.get("diloco/islands") == 0 for r in records(b_out)), b,
+                 "the resumed island b's first step")  # fmt: skip
+        (tmp_path / "hold_a").unlink()
         assert a.wait(timeout=600) == 0, (tmp_path / "a.log").read_text()[-3000:]
         assert b.wait(timeout=600) == 0, (tmp_path / "b.log").read_text()[-3000:]
     finally:
@@ -95,3 +104,59 @@ def test_two_islands_sync_survive_a_death_and_heal_on_resume(tmp_path):
     assert shared and all(crc_a[s] == crc_b[s] for s in shared)
     # after the resume b rejoined (healed from a) and synced with it again
     assert any(r["step"] > killed_at and r["diloco/islands"] == 2 for r in rb)
+
+
+def test_outer_state_round_trips_through_a_checkpoint(tiny_lm):
+    """Streaming DiLoCo (2 fragments) on one island: the outer state a checkpoint holds — global
+    weights, outer momentum, the inner-step phase, torchft's step — loads into a fresh island as it was."""
+    import torch
+
+    from meshrl.configs.schema import DilocoConfig
+    from meshrl.trainer.islands import Islands
+
+    lighthouse = serve_lighthouse("[::]:0", min_islands=1, join_timeout_ms=1_000, heartbeat_timeout_ms=2_000)
+    config = DilocoConfig(replica_id="solo", lighthouse=lighthouse.address(), host="localhost", sync_every=4,
+                          fragments=2, fragment_sync_delay=1, timeout_s=10, quorum_timeout_s=30)  # fmt: skip
+    ids = torch.randint(0, 97, (2, 12))
+    try:
+        inner = torch.optim.AdamW(tiny_lm.parameters(), lr=1e-2)
+        islands = Islands(config, tiny_lm, inner, rank=0, world=1)
+        for _ in range(5):  # fragment 0 synced at 2, fragment 1 at 4; one step into the next period
+            tiny_lm(ids, labels=ids).loss.backward()
+            inner.step()
+            inner.zero_grad()
+        saved = islands.state()
+        assert saved["manager"]["step"] == 2 and saved["local_step"] == 1
+        assert islands.metrics()["diloco/islands"] == 1 and islands.stats.payload_bytes > 0
+        islands.close()
+        fresh = Islands(config, tiny_lm, torch.optim.AdamW(tiny_lm.parameters(), lr=1e-2), rank=0, world=1)
+        fresh.load(saved)
+        again = fresh.state()
+        assert again["manager"] == saved["manager"] and again["local_step"] == 1
+        for a, b in zip(again["global"], saved["global"], strict=True):
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        assert all(o["state"] for o in saved["outer"])  # each fragment's outer step left momentum to keep
+        for a, b in zip(again["outer"], saved["outer"], strict=True):
+            assert a["state"].keys() == b["state"].keys()
+            assert all(
+                torch.equal(a["state"][k]["momentum_buffer"], b["state"][k]["momentum_buffer"]) for k in b["state"]
+            )
+        fresh.close()
+    finally:
+        lighthouse.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--trainer.diloco.replica_id", "a", "--trainer.parallelism", "fsdp2"], "needs trainer.parallelism = 'ddp'"),
+        (["--trainer.diloco.sync_every", "5", "--trainer.diloco.fragments", "2"], "sync_every 5 is not a multiple"),
+        (["--trainer.diloco.sync_every", "4", "--trainer.diloco.fragments", "2",
+          "--trainer.diloco.fragment_sync_delay", "2"], "fragment_sync_delay 2 must be below"),
+    ],
+)  # fmt: skip
+def test_refused_island_configs(args, message):
+    from meshrl.configs import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(args)

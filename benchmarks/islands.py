@@ -1,0 +1,105 @@
+"""One trainer mesh against two DiLoCo islands at equal total rollouts, on the embedded default.
+
+    python benchmarks/islands.py [--sync-every 10] [--out runs/islands]
+
+Runs `meshrl train @ configs/local.toml` once as one island (8 prompts a step), then two islands
+at once (4 prompts a step each, the same steps: the same rollouts in total) under one lighthouse,
+and prints per trainer step the bytes each island's rank handed to torchft's all-reduce
+(measured: `diloco/payload_bytes`) against what data parallelism all-reduces (every gradient,
+every step: the model's parameter bytes, as `TrainerCore._all_reduce_grads` does), and the
+mean reward of the last steps. The reward curves go to docs/islands_reward.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+from safetensors.torch import load_file
+
+from meshrl.trainer.islands import serve_lighthouse
+
+REPO = Path(__file__).resolve().parents[1]
+MESHRL = [sys.executable, "-m", "meshrl.cli.main", "train", "@", str(REPO / "configs" / "local.toml")]
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def run(out: Path, *extra: str) -> subprocess.Popen:
+    log = (out.parent / f"{out.name}.log").open("w")
+    args = [*MESHRL, "--output-dir", str(out), "--overwrite", "--metrics.progress", "plain", *extra]
+    return subprocess.Popen(args, cwd=REPO, stdout=log, stderr=log, env={**os.environ, "RUST_LOG": "warn"})
+
+
+def smooth(values: list[float], window: int = 10) -> list[float]:
+    return [statistics.fmean(values[max(0, i - window + 1) : i + 1]) for i in range(len(values))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sync-every", type=int, default=10)
+    parser.add_argument("--out", default="runs/islands")
+    args = parser.parse_args()
+    root = Path(args.out).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+
+    start = time.time()
+    one = run(root / "one")
+    assert one.wait() == 0, (root / "one.log").read_text()[-3000:]
+    one_s = time.time() - start
+
+    lighthouse = serve_lighthouse("[::]:0", min_islands=1, join_timeout_ms=30_000, heartbeat_timeout_ms=5_000)
+    start = time.time()
+    islands = [
+        run(root / name, "--task.prompts_per_step", "4", "--trainer.diloco.replica_id", name,
+            "--trainer.diloco.lighthouse", lighthouse.address(), "--trainer.diloco.host", "localhost",
+            "--trainer.diloco.sync_every", str(args.sync_every))
+        for name in ("a", "b")
+    ]  # fmt: skip
+    for name, proc in zip("ab", islands, strict=True):
+        assert proc.wait() == 0, (root / f"{name}.log").read_text()[-3000:]
+    two_s = time.time() - start
+    lighthouse.shutdown()
+
+    base, a, b = records(root / "one"), records(root / "a"), records(root / "b")
+    steps = len(base)
+    weights = [t for f in (root / "one" / "final").glob("*.safetensors") for t in load_file(f).values()]
+    param_bytes = sum(t.numel() * 4 for t in weights)  # float32 master gradients, one per parameter
+    diloco_per_step = a[-1]["diloco/payload_bytes"] / len(a)
+    reward = lambda rs: [r["reward/mean"] for r in rs]  # noqa: E731
+    two = [(x + y) / 2 for x, y in zip(reward(a), reward(b), strict=True)]
+    tail = max(1, steps // 4)
+    print(f"one island: {steps} steps in {one_s:.0f} s; two islands at once: {two_s:.0f} s (2 CPU cores shared)")
+    print(f"outer steps {a[-1]['diloco/outer_steps']:.0f} (a), {b[-1]['diloco/outer_steps']:.0f} (b); "
+          f"islands per outer step: {[r['diloco/islands'] for r in a[args.sync_every - 1 :: args.sync_every]]}")  # fmt: skip
+    print(f"all-reduce payload per trainer step and rank: DiLoCo {diloco_per_step:,.0f} B, "
+          f"data parallel {param_bytes:,.0f} B (every parameter's float32 gradient): "
+          f"ratio {diloco_per_step / param_bytes:.3f} (1/H = {1 / args.sync_every:.3f})")  # fmt: skip
+    print(f"mean reward, last {tail} steps: one island {statistics.fmean(reward(base)[-tail:]):.3f}, "
+          f"two islands {statistics.fmean(two[-tail:]):.3f}")  # fmt: skip
+
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    ax.plot(smooth(reward(base)), label="1 island, 8 prompts/step")
+    ax.plot(smooth(two), label=f"2 islands x 4 prompts/step, H={args.sync_every} (mean)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward/mean (10-step mean)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(REPO / "docs" / "islands_reward.png", dpi=100)
+    print("plot: docs/islands_reward.png")
+
+
+if __name__ == "__main__":
+    main()
