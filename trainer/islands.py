@@ -69,6 +69,7 @@ class Islands:
     ) -> None:
         self.config, self.model, self.inner = config, model, inner
         self.stats = OuterStats()
+        self._crc = (-1, 0)  # (outer step, checksum of the global weights then)
         host = config.host or socket.gethostname()
         self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False) if rank == 0 else None
         port = [self._store.port if self._store is not None else 0]
@@ -129,12 +130,16 @@ class Islands:
         self.stats.payload_bytes += sum(g.numel() * g.element_size() for g in grads)
 
     def global_crc(self) -> int:
-        """A checksum of the global weights (every island's is the same after a committed outer step)."""
-        crc = 0
-        for fragment in self.diloco._fragments:
-            for name in sorted(fragment.original_parameters):
-                crc = zlib.crc32(fragment.original_parameters[name].float().numpy().tobytes(), crc)
-        return crc
+        """A checksum of the global weights (every island's is the same after a committed outer
+        step), computed once per outer step."""
+        step = self.manager.current_step()
+        if self._crc[0] != step:
+            crc = 0
+            for fragment in self.diloco._fragments:
+                for name in sorted(fragment.original_parameters):
+                    crc = zlib.crc32(fragment.original_parameters[name].float().numpy().tobytes(), crc)
+            self._crc = (step, crc)
+        return self._crc[1]
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -165,6 +170,7 @@ class Islands:
         for optimizer, saved in zip(self.outer, state["outer"], strict=True):
             optimizer.load_state_dict(saved)
         self.stats.payload_bytes = state["payload_bytes"]
+        self._crc = (-1, 0)
 
     def close(self) -> None:
         self.diloco.__exit__(None, None, None)
