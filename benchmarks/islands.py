@@ -51,16 +51,24 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sync-every", type=int, default=10)
     parser.add_argument("--out", default="runs/islands")
+    parser.add_argument(
+        "--min-islands", type=int, default=2,
+        help="the lighthouse's quorum size: 2 keeps the islands in step (each outer step waits for both)",
+    )  # fmt: skip
+    parser.add_argument("--reuse-one", action="store_true", help="keep OUT/one from an earlier run")
     args = parser.parse_args()
     root = Path(args.out).resolve()
     root.mkdir(parents=True, exist_ok=True)
 
     start = time.time()
-    one = run(root / "one")
-    assert one.wait() == 0, (root / "one.log").read_text()[-3000:]
+    if not args.reuse_one:
+        one = run(root / "one")
+        assert one.wait() == 0, (root / "one.log").read_text()[-3000:]
     one_s = time.time() - start
 
-    lighthouse = serve_lighthouse("[::]:0", min_islands=1, join_timeout_ms=30_000, heartbeat_timeout_ms=5_000)
+    lighthouse = serve_lighthouse(
+        "[::]:0", min_islands=args.min_islands, join_timeout_ms=30_000, heartbeat_timeout_ms=5_000
+    )
     start = time.time()
     islands = [
         run(root / name, "--task.prompts_per_step", "4", "--trainer.diloco.replica_id", name,
@@ -81,7 +89,8 @@ def main() -> None:
     reward = lambda rs: [r["reward/mean"] for r in rs]  # noqa: E731
     two = [(x + y) / 2 for x, y in zip(reward(a), reward(b), strict=True)]
     tail = max(1, steps // 4)
-    print(f"one island: {steps} steps in {one_s:.0f} s; two islands at once: {two_s:.0f} s (2 CPU cores shared)")
+    one_time = "reused" if args.reuse_one else f"{one_s:.0f} s"
+    print(f"one island: {steps} steps ({one_time}); two islands at once: {two_s:.0f} s (2 CPU cores shared)")
     print(f"outer steps {a[-1]['diloco/outer_steps']:.0f} (a), {b[-1]['diloco/outer_steps']:.0f} (b); "
           f"islands per outer step: {[r['diloco/islands'] for r in a[args.sync_every - 1 :: args.sync_every]]}")  # fmt: skip
     print(f"all-reduce payload per trainer step and rank: DiLoCo {diloco_per_step:,.0f} B, "
