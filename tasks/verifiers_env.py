@@ -123,7 +123,7 @@ def _needs_runtime(fn: Any) -> bool:
 
 
 def _refusals(task: vf.Task) -> list[str]:
-    """What of a v1 task needs verifiers' own rollout path (empty: it runs here)."""
+    """What of a v1 task's class and config needs verifiers' own rollout path (empty: it runs here)."""
     kind = type(task)
     reasons = [f"{kind.__name__}.{hook} is overridden" for hook in ("setup", "finalize", "stage_verifier")
                if getattr(kind, hook) is not getattr(vf.Task, hook)]  # fmt: skip
@@ -135,8 +135,6 @@ def _refusals(task: vf.Task) -> list[str]:
                 if hook_boundary(fn, allow_trace=True) is not vf.Trace]  # fmt: skip
     signals = [*task.hooks("metric"), *task.hooks("reward"), *(j.score for j in task.plugged_judges())]
     reasons += [f"{getattr(fn, '__name__', fn)} needs the task's runtime" for fn in signals if _needs_runtime(fn)]
-    if task.data.prompt is None:
-        reasons.append("its prompt is unset (a user simulator opens the conversation)")
     return reasons
 
 
@@ -172,8 +170,14 @@ class VerifiersTask:
             raise ValueError(f"task.kwargs.env {env!r}: the taskset yields no tasks")
         if not 0 <= eval_tasks < len(tasks):
             raise ValueError(f"task.kwargs.eval_tasks {eval_tasks}: the taskset {env!r} has {len(tasks)} tasks")
+        checked: set[tuple[type, int]] = set()  # hooks belong to a task's class and config: check each pair once
         for task in tasks:
-            if reasons := _refusals(task):
+            kind = (type(task), id(task.config))
+            reasons = [] if kind in checked else _refusals(task)
+            checked.add(kind)
+            if task.data.prompt is None:
+                reasons.append("its prompt is unset (a user simulator opens the conversation)")
+            if reasons:
                 raise ValueError(f"task.kwargs.env {env!r} needs verifiers' own rollouts: {'; '.join(reasons)}")
         self.train_tasks, self.eval_tasks = tasks[: len(tasks) - eval_tasks], tasks[len(tasks) - eval_tasks :]
         self.by_key = {task.key: task for task in tasks}

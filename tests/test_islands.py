@@ -55,11 +55,21 @@ def wait_for(condition, proc: subprocess.Popen, what: str, timeout_s: float = 30
 
 
 def test_fragments_partition_the_parameters_once(tiny_lm):
-    params = {id(p) for p in tiny_lm.parameters()}
-    for n in (1, 2):
-        fragments = model_fragments(tiny_lm, n)
-        ids = [id(p) for f in fragments for p in f.parameters()]
-        assert len(ids) == len(set(ids)) and set(ids) == params
+    """Also a Qwen3-shaped model with tied embeddings and grouped-query attention: the tied head
+    is one parameter of the first fragment."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tied = Qwen3ForCausalLM(Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                        tie_word_embeddings=True))  # fmt: skip
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    for model in (tiny_lm, tied):
+        params = {id(p) for p in model.parameters()}
+        for n in (1, 2):
+            fragments = model_fragments(model, n)
+            ids = [id(p) for f in fragments for p in f.parameters()]
+            assert len(ids) == len(set(ids)) and set(ids) == params
+        assert id(model.lm_head.weight) in {id(p) for p in model_fragments(model, 2)[0].parameters()}
     with pytest.raises(ValueError, match="trainer.diloco.fragments 3"):
         model_fragments(tiny_lm, 3)
 

@@ -149,10 +149,9 @@ class TrainerCore:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
         self.skipped_steps = 0
         self.writer = CheckpointWriter()
-        self.islands: Islands | None = (
-            None  # DiLoCo, joined at the first RL step (warm-start steps are not inner steps)
-        )
-        self._islands_state: dict[str, Any] | None = None  # a resumed checkpoint's, until then
+        # DiLoCo, joined at the first RL step (warm-start steps are not inner steps)
+        self.islands: Islands | None = None
+        self._islands_state: dict[str, Any] | None = None  # a resumed checkpoint's, until it is applied
 
     # ------------------------------------------------------------------ steps
 
@@ -282,7 +281,11 @@ class TrainerCore:
         from meshrl.trainer.islands import Islands  # the optional [islands] extra
 
         self.islands = Islands(self.config.trainer.diloco, self.model, self.optimizer, self.rank, self.world)
-        if self._islands_state is not None:
+        self._restore_islands()
+
+    def _restore_islands(self) -> None:
+        """A resumed checkpoint's outer state goes into the islands once they are joined."""
+        if self.islands is not None and self._islands_state is not None:
             self.islands.load(self._islands_state)
             self._islands_state = None
 
@@ -384,9 +387,7 @@ class TrainerCore:
         self.scheduler.load_state_dict(state["scheduler"])
         self.skipped_steps = state["skipped_steps"]
         self._islands_state = state.get("islands")
-        if self.islands is not None and self._islands_state is not None:
-            self.islands.load(self._islands_state)
-            self._islands_state = None
+        self._restore_islands()
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])

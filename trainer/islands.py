@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshrl.configs.schema import DilocoConfig
+from meshrl.trainer.checkpoint import own_copy
 
 try:
     from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
@@ -116,8 +117,7 @@ class Islands:
     def _local_state(self) -> dict[str, Any]:
         """What a healing island receives besides the global weights: this island's local model
         and inner optimizer (copies: the transport serves them while training goes on)."""
-        model = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        return {"model": model, "inner": self.inner.state_dict()}
+        return own_copy({"model": self.model.state_dict(), "inner": self.inner.state_dict()}, clone_tensors=True)
 
     def _load_local(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
@@ -153,13 +153,15 @@ class Islands:
     # -- checkpoints: the outer loop's whole state, so a resume continues it exactly
 
     def state(self) -> dict[str, Any]:
-        return {
+        """A copy (the checkpoint is written in the background while the outer loop goes on)."""
+        state = {
             "manager": self.manager.state_dict(),
             "local_step": self.diloco._local_step,
-            "global": [{k: v.clone() for k, v in f.original_parameters.items()} for f in self.diloco._fragments],
+            "global": [f.original_parameters for f in self.diloco._fragments],
             "outer": [optimizer.state_dict() for optimizer in self.outer],
             "payload_bytes": self.stats.payload_bytes,
         }
+        return own_copy(state, clone_tensors=True)
 
     def load(self, state: dict[str, Any]) -> None:
         self.manager.load_state_dict(state["manager"])
