@@ -118,19 +118,14 @@ class RolloutWorker:
     def _round(self) -> None:
         """One round: follow the policy version, top up leases, hand back finished groups."""
         assert self.scheduler is not None
-        if (self.client.epoch, self.client.version) != self.loaded:
-            if self.client.epoch != self.loaded[0]:
-                self.held.clear()  # a restarted controller voids earlier leases
-            version, weights = self.client.weights()
-            self.scheduler.load_weights(weights, version)
-            self.loaded = (self.client.epoch, version)
-            self.stats.weight_versions += 1
+        self._follow()
         now = time.monotonic()
         self.held = {
             lease_id: expiry for lease_id, expiry in self.held.items() if expiry > now
         }  # expired: free the slot
         leases = self.client.lease(max(0, self.max_groups - len(self.held)))  # n = 0: the newest version only
         if leases:
+            self._follow()  # a restarted controller's first answer: its weights before its groups start
             self.log(f"worker: leased {len(leases)} groups")
             self.stats.leased += len(leases)
             for lease in leases:
@@ -151,6 +146,23 @@ class RolloutWorker:
                      + (f"; rejected {rejected}" if rejected else ""))  # fmt: skip
         elif not self.held:
             time.sleep(0.2)  # nothing leased: the controller has no groups to hand out yet
+
+    def _follow(self) -> None:
+        """Run the policy version the controller last announced. A restarted controller (a new
+        epoch) voids earlier leases and keeps none of the old versions: groups it leases must not
+        start on weights it cannot check."""
+        if (self.client.epoch, self.client.version) == self.loaded:
+            return
+        restarted = self.client.epoch != self.loaded[0]
+        if restarted:
+            self.held.clear()
+        version, weights = self.client.weights()
+        landed = self.scheduler.load_weights(weights, version)
+        self.loaded = (self.client.epoch, version)
+        self.stats.weight_versions += 1
+        if restarted:
+            landed.wait(timeout=60)  # between decode steps: old versions may be numbered as high as the new
+            self.log(f"worker: following the restarted controller, policy version {version}")
 
     def close(self) -> None:
         if self.scheduler is not None:

@@ -50,7 +50,7 @@ from meshrl.run.sinks import MetricSinks
 from meshrl.tasks.base import make_task, task_tools
 from meshrl.topology.faults import HostLost, RunStopped, SupervisionError, install_fault_hook
 from meshrl.topology.placement import Placement
-from meshrl.topology.pool import ActorPool
+from meshrl.topology.pool import ActorPool, ProcMesh, stop_meshes
 from meshrl.traces.collator import TraceCollator
 from meshrl.traces.errors import ErrorClassifier
 from meshrl.traces.pairs import DpoPair, ReplayState, mine_pairs, trace_states
@@ -66,6 +66,15 @@ class GroupSlot:
     rank: int | None
     actor: Any
     samples: int
+
+
+@dataclass
+class PendingTake:
+    """A generator's long-polled `take` (-> list[FinishedGroup]) and when its host was last
+    known to answer (the call was made, or a probe found the host up)."""
+
+    future: Any
+    probed: float
 
 
 @dataclass
@@ -100,6 +109,12 @@ class PendingCheckpoint:
     started: float
 
 
+TAKE_WAIT_S = 1.0  # a generator's `take` answers within this, with whatever groups have finished
+# A generator call unanswered this long has its worker host probed (attach mode; a TCP connect):
+# a host that is gone is noticed at once instead of after Monarch's supervision timeout.
+HOST_PROBE_S = 2.0
+
+
 def resolve_model(config: RunConfig, run: RunDir) -> str:
     """`tiny` is built and saved under the run directory on first use; anything else is a path or hub id."""
     if config.model.path == "tiny":
@@ -124,7 +139,7 @@ class Controller:
         self.step = 0
         self.requests: dict[int, StepRequest] = {}  # by step, oldest first
         self.slots: dict[str, GroupSlot] = {}  # groups in flight, by key
-        self.takes: dict[int, Any] = {}  # generator rank -> its pending `take` (-> list[FinishedGroup])
+        self.takes: dict[int, PendingTake] = {}  # generator rank -> its pending `take`
         self.pulls: dict[int, Any] = {}  # generator rank -> its pending weight load
         self.pending_checkpoint: PendingCheckpoint | None = None
         self.groups_asked = 0
@@ -141,12 +156,14 @@ class Controller:
         self.evaluator = BackgroundEval(config, self.model_path) if config.eval.interval else None
         self.ingress: IngressServer | None = None
         self.ingress_version = -1  # newest policy version handed to the ingress
+        self.lost_hosts: frozenset[int] = frozenset()  # host indices found gone (their meshes are not waited on)
 
     # ------------------------------------------------------------------ meshes
 
     def spawn(self) -> None:
         """Place the meshes (topology config) and spawn their actors; generators and teachers
-        are pools of replaceable ranks, however many hosts they span."""
+        are pools of replaceable ranks, however many hosts they span. Every mesh is spawned
+        before any is waited on, so their processes start (and import) side by side."""
         install_fault_hook()
         self.placement = Placement(self.config.topology)
         self.generators = ActorPool(
@@ -155,14 +172,16 @@ class Controller:
         self.trainer_procs = self.placement.procs("trainer")
         setup_torch_elastic_env(self.trainer_procs)
         self.trainers = self.trainer_procs.spawn("trainer", TrainerActor, self.config, self.model_path).flatten("rank")
-        self.actors = list(self.trainers.setup.call().get().values()) + self.generators.infos()
-        self.run.check_shared(lambda path: self.trainers.read_text.call(path).get().item(rank=0))
+        trainers_ready = self.trainers.setup.call()
         self.teachers = None
         if self.config.teachers.members:
             cache = str(self.run.root / "teacher_cache.jsonl")
             self.teachers = ActorPool(
                 self.placement, "teacher", "teacher", TeacherActor, self.config, self.model_path, cache
             )
+        self.actors = list(trainers_ready.get().values()) + self.generators.infos()
+        self.run.check_shared(lambda path: self.trainers.read_text.call(path).get().item(rank=0))
+        if self.teachers is not None:
             self.actors += self.teachers.infos()
         self.run.write_topology(self.actors)
         if self.config.ingress.bind is not None:
@@ -193,14 +212,11 @@ class Controller:
             self.evaluator.close()
         if self.ingress is not None:
             self.ingress.close()
-        for pool in (getattr(self, "generators", None), getattr(self, "teachers", None)):
-            if pool is not None:
-                pool.stop()
+        meshes = [mesh for pool in (getattr(self, "generators", None), getattr(self, "teachers", None))
+                  if pool is not None for mesh in pool.proc_meshes]  # fmt: skip
         if getattr(self, "trainer_procs", None) is not None:
-            try:
-                self.trainer_procs.stop().get(timeout=30)
-            except Exception as exc:  # noqa: BLE001 - after a trainer fault its mesh may not answer
-                print(f"stopping the trainer mesh: {type(exc).__name__}: {exc}")
+            meshes.append(ProcMesh(self.trainer_procs, frozenset(range(self.config.topology.trainer.hosts)), "trainer"))
+        stop_meshes(meshes, self.lost_hosts)
         self.run.prune_weights()  # published weights are only for the generators just stopped
 
     # ------------------------------------------------------------------ faults
@@ -219,6 +235,7 @@ class Controller:
 
     def stop_for_lost_host(self, lost: HostLost) -> RunStopped:
         """Checkpoint if the trainers still can, and say which host was lost and where to resume."""
+        self.lost_hosts |= {self.placement.host_index(lost.role, lost.rank)}
         latest = self.run.latest_checkpoint()
         try:
             self.commit_checkpoint(wait=True)  # the write in flight may be this very step's
@@ -238,7 +255,9 @@ class Controller:
         """A trainer process died: no checkpoint can be taken; name a lost host if there is one."""
         place = self.config.topology.trainer
         firsts = range(0, place.size, place.procs)  # one rank per host: each host is probed once
-        lost = [self.placement.host_name("trainer", r) for r in firsts if not self.placement.host_alive("trainer", r)]
+        gone = [r for r in firsts if not self.placement.host_alive("trainer", r)]
+        self.lost_hosts |= {self.placement.host_index("trainer", r) for r in gone}
+        lost = [self.placement.host_name("trainer", r) for r in gone]
         where = f"worker host {', '.join(lost)} is lost" if lost else "a trainer process died"
         latest = self.run.latest_checkpoint()
         resume = f"checkpoint {latest.name}" if latest is not None else "no checkpoint yet (rerun starts over)"
@@ -295,10 +314,17 @@ class Controller:
             by_rank.setdefault(rank, []).append(group)
             self.slots[group.key] = GroupSlot(step, rank, self.generators[rank], group.samples)
         for rank, rank_groups in by_rank.items():
-            try:
-                self.generators[rank].submit.call_one(rank_groups).get()
-            except SupervisionError:
-                self._generator_died(rank)
+            submitted = self.generators[rank].submit.call_one(rank_groups)
+            while True:
+                try:
+                    submitted.get(timeout=HOST_PROBE_S)
+                    break
+                except TimeoutError:
+                    if self._probe_host(rank):
+                        break
+                except SupervisionError:
+                    self._generator_died(rank)
+                    break
 
     def _feed(self) -> None:
         """Keep the generators a step beyond what they may start: its groups wait on the
@@ -351,10 +377,14 @@ class Controller:
     def _poll(self, wait_s: float) -> None:
         for rank in range(len(self.generators)):
             if rank not in self.takes:
-                self.takes[rank] = self.generators[rank].take.call_one(1.0)
+                self.takes[rank] = PendingTake(self.generators[rank].take.call_one(TAKE_WAIT_S), time.monotonic())
+            pending = self.takes[rank]
             try:
-                groups = self.takes[rank].get(timeout=wait_s)
+                groups = pending.future.get(timeout=wait_s)
             except TimeoutError:
+                if time.monotonic() - pending.probed > HOST_PROBE_S:
+                    pending.probed = time.monotonic()
+                    self._probe_host(rank)
                 continue
             except SupervisionError:
                 self._generator_died(rank)
@@ -362,6 +392,15 @@ class Controller:
             del self.takes[rank]
             for group in groups:
                 self._arrived(group, f"generator {rank}")
+
+    def _probe_host(self, rank: int) -> bool:
+        """A generator rank is slow to answer: if its worker host no longer accepts connections,
+        handle the rank as dead now (which stops the run: its host is lost) rather than after
+        Monarch's supervision notices, about a minute later. Whether it was handled as dead."""
+        if self.placement.host_alive("generator", rank):
+            return False
+        self._generator_died(rank)
+        return True
 
     def _generator_died(self, rank: int) -> None:
         """Count the rank's groups in flight as lost, and replace it (once, however many calls

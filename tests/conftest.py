@@ -21,6 +21,9 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
+    """Tests that start Monarch meshes run first (`make test` spreads modules over two xdist
+    workers): the long runs begin at once and the quick tests fill in around them."""
+    items.sort(key=lambda item: "mesh" not in item.keywords)  # stable: file order otherwise
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -1,5 +1,6 @@
 """Faults a long run meets, each through real processes: SIGKILLed generator and teacher
 actors, teacher endpoints that hang or answer garbage, a lost worker host, a killed controller.
+The two runs also carry loss swaps (tests/e2e.py): RL only, and the custom PRIME-RL loss.
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from test_train import ENV, MESHRL, REPO, SMALL, records
+import pytest
+from e2e import ENV, LOSS_SWAPS, MESHRL, REPO, SMALL, assert_loss_swap, free_address, lose_host, records, start_worker
+
+pytestmark = [pytest.mark.mesh, pytest.mark.network]
 
 
 class _BadEndpoint(BaseHTTPRequestHandler):
@@ -71,7 +75,7 @@ def test_killed_generator_and_teacher_and_bad_endpoints_do_not_stop_training(tmp
     # run could end before a replacement answered.
     args = [*MESHRL, "train", *SMALL, "--output-dir", str(out), "--max-steps", "60", "--ckpt.interval", "100",
             "--teachers.members", json.dumps(members), "--teachers.states_per_step", "2",
-            "--task.kwargs", '{"prompt_delay_s": 0.15}']  # fmt: skip
+            "--task.kwargs", '{"prompt_delay_s": 0.15}', *LOSS_SWAPS["rl-only"]]  # fmt: skip
     log = (tmp_path / "train.log").open("w")
     proc = subprocess.Popen(args, cwd=REPO, env=ENV, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -101,11 +105,10 @@ def test_killed_generator_and_teacher_and_bad_endpoints_do_not_stop_training(tmp
     assert _pid(out, "generator") != generator and _pid(out, "teacher") != teacher  # topology.json follows
     killed_teacher_at = next(r["step"] for r in metrics if r["teacher/actor_failures"])
     assert any(r["replay_pairs"] for r in metrics if r["step"] > killed_teacher_at)  # the replacement answers
+    assert_loss_swap(out, "rl-only")  # the teachers answered and pairs were mined; none were trained on
 
 
 def test_killed_controller_reattaches_and_a_lost_host_stops_then_resumes(tmp_path):
-    from test_topology import free_address, lose_host, start_worker
-
     addresses = [free_address() for _ in range(2)]
     workers = [start_worker(a) for a in addresses]
     out = tmp_path / "run"
@@ -127,9 +130,11 @@ def test_killed_controller_reattaches_and_a_lost_host_stops_then_resumes(tmp_pat
         "2",
         "--task.kwargs",
         '{"prompt_delay_s": 0.3}',
+        "--teachers.members",
+        "[]",
+        *LOSS_SWAPS["custom"],
     ]  # fmt: skip  (generator rank 1 on the second host; paced steps: the run outlasts noticing the lost host)
     try:
-        time.sleep(2)
         # The controller SIGKILLed after a checkpoint: the workers live on, and a new controller resumes on them.
         proc = subprocess.Popen(args, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         _wait_for_step(out, 2, proc)
@@ -148,10 +153,10 @@ def test_killed_controller_reattaches_and_a_lost_host_stops_then_resumes(tmp_pat
         assert (out / "checkpoints" / f"step_{saved}" / "COMPLETE").exists()
         # The host back: --resume finishes the run, one record per step.
         workers[1] = start_worker(addresses[1])
-        time.sleep(2)
         result = subprocess.run([*args, "--resume"], capture_output=True, text=True, timeout=240, cwd=REPO, env=ENV)
         assert result.returncode == 0, result.stderr[-3000:]
         assert [r["step"] for r in records(out)] == list(range(30))
+        assert_loss_swap(out, "custom")
     finally:
         for w in workers:
             lose_host(w)

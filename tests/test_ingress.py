@@ -31,6 +31,8 @@ from meshrl.rollouts.episodes import EpisodeFormat, Rollout
 from meshrl.rollouts.scheduler import EpisodeScheduler, GroupRequest, Sampling
 from meshrl.tasks.base import Prompt, make_task
 
+pytestmark = pytest.mark.network  # CURVE ZMQ over loopback
+
 TASK = TaskConfig(kwargs={"n_keys": 3})
 MAX_NEW = 24
 LLAMA = TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2)

@@ -4,15 +4,18 @@ is not listed, and a resume of the run that the surviving worker follows without
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import time
 from pathlib import Path
 
-from test_topology import free_address
-from test_train import ENV, MESHRL, REPO, SMALL, records, train
+import pytest
+from e2e import ENV, MESHRL, REPO, SMALL, free_address, records
 
 from meshrl.ingress.keys import generate_keys
+
+pytestmark = [pytest.mark.mesh, pytest.mark.network]
 
 
 def _worker(address: str, keys: Path, name: str, log: Path, score_delay_s: float = 0.0) -> subprocess.Popen:
@@ -74,9 +77,18 @@ def test_run_with_outside_workers_a_killed_one_and_a_resume(tmp_path):
         assert sum(r["rollouts/external"] for r in part1) > 0
         assert all(r["rollouts"] == 8 for r in part1)  # every group came back, from a worker or the mesh
 
-        # The controller restarts (resume); worker a keeps running and follows it.
-        resumed = train(out, *ingress[2:], "--max-steps", "15", "--resume", timeout=300)
-        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        # The controller restarts (resume); worker a keeps running and follows it. The resumed run
+        # offers steps 9 and 10, then holds before step 11's prompts until a has leased from it.
+        hold = tmp_path / "hold"
+        hold.touch()
+        task = json.dumps({"hold_file": str(hold), "hold_after": 2})
+        resume_log = tmp_path / "resume.log"
+        resumed = subprocess.Popen([*MESHRL, "train", *SMALL, *ingress, "--max-steps", "15", "--resume",
+                                    "--task.kwargs", task], cwd=REPO, env=ENV, stdout=resume_log.open("w"),
+                                   stderr=subprocess.STDOUT)  # fmt: skip
+        _wait_for(logs["a"], "leased", after="following the restarted controller", context=resume_log)
+        hold.unlink()
+        assert resumed.wait(timeout=300) == 0, resume_log.read_text()[-3000:]
         metrics = records(out)
         assert [r["step"] for r in metrics] == list(range(15))
         assert sum(r["rollouts/external"] for r in metrics[9:]) > 0

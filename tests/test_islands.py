@@ -23,7 +23,7 @@ pytest.importorskip("torchft")  # the [islands] extra (in [dev], so CI runs thes
 from meshrl.trainer.islands import model_fragments, serve_lighthouse
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
-from test_train import ENV, MESHRL, REPO, SMALL
+from e2e import ENV, MESHRL, REPO, SMALL
 
 STEPS, H = 24, 2
 ISLAND = [*SMALL, "--max-steps", str(STEPS), "--ckpt.interval", "2",
@@ -74,6 +74,8 @@ def test_fragments_partition_the_parameters_once(tiny_lm):
         model_fragments(tiny_lm, 3)
 
 
+@pytest.mark.mesh
+@pytest.mark.network
 def test_two_islands_sync_survive_a_death_and_heal_on_resume(tmp_path):
     lighthouse = serve_lighthouse("[::]:0", min_islands=1, join_timeout_ms=10_000, heartbeat_timeout_ms=2_000)
     a_out, b_out = tmp_path / "a", tmp_path / "b"
@@ -116,6 +118,7 @@ def test_two_islands_sync_survive_a_death_and_heal_on_resume(tmp_path):
     assert any(r["step"] > killed_at and r["diloco/islands"] == 2 for r in rb)
 
 
+@pytest.mark.network  # a lighthouse and torchft's stores on loopback
 def test_outer_state_round_trips_through_a_checkpoint(tiny_lm):
     """Streaming DiLoCo (2 fragments) on one island: the outer state a checkpoint holds — global
     weights, outer momentum, the inner-step phase, torchft's step — loads into a fresh island as it was."""

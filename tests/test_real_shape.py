@@ -6,11 +6,15 @@ filesystem weight sync, and the exported model loaded back as a user would."""
 from __future__ import annotations
 
 import json
-import subprocess
 
+import pytest
 import torch
-from test_train import ENV, MESHRL, REPO, records, train
+from e2e import records, train
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from meshrl.cli.main import main
+
+pytestmark = pytest.mark.mesh
 
 QWEN = [
     "--model.tiny.family", "qwen3", "--model.tiny.tie_embeddings", "true", "--model.tiny.num_heads", "4",
@@ -21,11 +25,7 @@ QWEN = [
 ]  # fmt: skip
 
 
-def export(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*MESHRL, "export", *args], capture_output=True, text=True, cwd=REPO, env=ENV, timeout=120)
-
-
-def test_qwen_shaped_model_trains_resumes_and_exports(tmp_path):
+def test_qwen_shaped_model_trains_resumes_and_exports(tmp_path, capsys):
     out = tmp_path / "run"
     first = train(out, *QWEN, "--max-steps", "4", "--generator.weight_sync", "rdma")
     assert first.returncode == 0, first.stderr[-3000:]
@@ -52,14 +52,16 @@ def test_qwen_shaped_model_trains_resumes_and_exports(tmp_path):
     assert final.dtype == torch.bfloat16
     assert json.loads((out / "final" / "config.json").read_text())["dtype"] == "bfloat16"
 
-    assert export(str(out), str(tmp_path / "step4"), "--step", "4").returncode == 0
+    # `meshrl export` in this process (its command function, exit code and messages as in a shell)
+    assert main(["export", str(out), str(tmp_path / "step4"), "--step", "4"]) == 0
     step4 = AutoModelForCausalLM.from_pretrained(tmp_path / "step4")
     master = AutoModelForCausalLM.from_pretrained(checkpoint / "model")
     assert torch.equal(step4.lm_head.weight, master.lm_head.weight.to(torch.bfloat16))
     assert not torch.equal(step4.lm_head.weight, final.lm_head.weight)  # two more steps trained
 
-    missing = export(str(out), str(tmp_path / "x"), "--step", "3")
-    assert missing.returncode == 1 and "no complete checkpoint for step 3 (present: 2, 4, 6)" in missing.stderr
-    not_a_run = export(str(tmp_path / "nowhere"), str(tmp_path / "x"))
-    assert not_a_run.returncode == 1 and "not a run directory" in not_a_run.stderr
+    capsys.readouterr()
+    assert main(["export", str(out), str(tmp_path / "x"), "--step", "3"]) == 1
+    assert "no complete checkpoint for step 3 (present: 2, 4, 6)" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "nowhere"), str(tmp_path / "x")]) == 1
+    assert "not a run directory" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()

@@ -33,6 +33,8 @@ from meshrl.teachers.oracle import OracleTeacher
 from meshrl.teachers.replay import replay_states
 from meshrl.traces.schema import ToolCall, TraceExample, Turn
 
+pytestmark = pytest.mark.network  # OpenAI-compatible endpoints served on loopback
+
 SECRET = "sk-test-9f8e7d6c5b4a-never-leak"
 KEY_ENV = "MESHRL_TEST_TEACHER_KEY"
 
@@ -372,6 +374,7 @@ def test_the_ceiling_is_shared_and_stops_paid_teachers_without_a_request(endpoin
     assert meter.spent_usd == pytest.approx(0.012)
 
 
+@pytest.mark.mesh
 def test_a_teacher_actor_counts_the_runs_other_spend_against_the_ceiling(endpoint, tmp_path):
     """Other teacher actors, a replaced one, the run before a resume: the controller passes what
     they spent with every round, and the ceiling counts it."""

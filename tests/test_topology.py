@@ -1,21 +1,19 @@
 """Placement across hosts: layouts the config refuses, the worker's address rules, the SLURM
-request Monarch submits for a config, and a training run across two `meshrl worker` processes
+request Monarch submits for a config, and a training run across two TLS `meshrl worker` processes
 on 127.0.0.1 (each one a host) with the trainer mesh spanning both."""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import stat
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
-from test_train import ENV, MESHRL, REPO, SMALL, records
+from e2e import ENV, LOSS_SWAPS, MESHRL, REPO, SMALL, assert_loss_swap, free_address, lose_host, records, start_worker
 
 from meshrl.configs import ConfigError, load_config
 from meshrl.topology.devices import cpu_threads, proc_device, role_gpus
@@ -96,6 +94,7 @@ def test_slurm_request_from_the_config(tmp_path):
     assert "srun /opt/venv/bin/python" in request
 
 
+@pytest.mark.network
 def test_a_worker_is_reachable_only_while_its_port_listens():
     from meshrl.topology.faults import worker_reachable
 
@@ -106,49 +105,6 @@ def test_a_worker_is_reachable_only_while_its_port_listens():
         assert worker_reachable(f"tls://127.0.0.1:{port}")
         assert worker_reachable(f"tcp://127.0.0.1:{port}@tcp://0.0.0.0:{port}")  # dial@bind: the dial part
     assert not worker_reachable(f"tcp://127.0.0.1:{port}", timeout_s=1.0)
-
-
-def free_address(scheme: str = "tcp") -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"{scheme}://127.0.0.1:{s.getsockname()[1]}"
-
-
-def start_worker(address: str, *tls_args: str) -> subprocess.Popen:
-    """A `meshrl worker` in its own process group: killing the group is losing the host."""
-    return subprocess.Popen([*MESHRL, "worker", "--address", address, *tls_args], cwd=REPO, env=ENV,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
-
-
-def lose_host(worker: subprocess.Popen) -> None:
-    """SIGKILL the worker and every proc it spawned."""
-    try:
-        os.killpg(worker.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    worker.wait()
-
-
-def test_training_across_two_worker_hosts(tmp_path):
-    addresses = [free_address() for _ in range(2)]
-    workers = [start_worker(a) for a in addresses]
-    try:
-        time.sleep(2)
-        out = tmp_path / "run"
-        args = [*MESHRL, "train", *SMALL, "--output-dir", str(out), "--max-steps", "2",
-                "--topology.mode", "attach", "--topology.workers", json.dumps(addresses),
-                "--topology.trainer.hosts", "2", "--trainer.parallelism", "fsdp2"]  # fmt: skip
-        result = subprocess.run(args, capture_output=True, text=True, timeout=240, cwd=REPO, env=ENV)
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert [r["step"] for r in records(out)] == [0, 1]
-        actors = json.loads((out / "topology.json").read_text())["actors"]
-        trainers = sorted((a["rank"], a["worker"]) for a in actors if a["role"] == "trainer")
-        assert trainers == [(0, addresses[0]), (1, addresses[1])]  # one trainer rank per host
-        assert {a["worker"] for a in actors if a["role"] != "trainer"} == {addresses[0]}
-        assert all(w.poll() is None for w in workers)  # the run frees its meshes; workers stay up
-    finally:
-        for w in workers:
-            lose_host(w)
 
 
 def _certificates(directory, ca_name: str, names: list[str]) -> dict[str, list[str]]:
@@ -198,31 +154,45 @@ def _certificates(directory, ca_name: str, names: list[str]) -> dict[str, list[s
     return files
 
 
-def test_tls_mesh_trains_and_refuses_a_controller_from_another_ca(tmp_path):
-    certs = _certificates(tmp_path, "mesh-ca", ["worker", "controller"])
+@pytest.mark.mesh
+@pytest.mark.network
+def test_tls_mesh_across_two_hosts_trains_and_refuses_a_controller_from_another_ca(tmp_path):
+    """Two `meshrl worker` hosts on tls://: the trainer mesh (FSDP2) spans both, the other roles run on
+    the first, and the run trains with IPO (a loss swap, tests/e2e.py). A controller whose certificate
+    another CA signed is refused, and the workers live on."""
+    certs = _certificates(tmp_path, "mesh-ca", ["worker0", "worker1", "controller"])
     rogue = _certificates(tmp_path, "other-ca", ["rogue"])["rogue"]
-    address = free_address("tls")
-    worker = start_worker(address, *(f"--tls-{k}={v}" for k, v in zip(("cert", "key", "ca"), certs["worker"])))
-    base = [*MESHRL, "train", *SMALL, "--max-steps", "1", "--topology.mode", "attach",
-            "--topology.workers", json.dumps([address]), "--topology.attach_timeout_s", "15"]  # fmt: skip
+    addresses = [free_address("tls") for _ in range(2)]
+    workers = [start_worker(a, *(f"--tls-{k}={v}" for k, v in zip(("cert", "key", "ca"), certs[f"worker{i}"])))
+               for i, a in enumerate(addresses)]  # fmt: skip
+    base = [*MESHRL, "train", *SMALL, "--topology.mode", "attach", "--topology.workers", json.dumps(addresses)]
 
-    def controller(out, cert: list[str]) -> subprocess.CompletedProcess:
+    def controller(out, cert: list[str], attach_timeout_s: int, *extra: str) -> subprocess.CompletedProcess:
         tls = [f"--topology.tls.{k}={v}" for k, v in zip(("cert", "key", "ca"), cert)]
-        return subprocess.run([*base, "--output-dir", str(out), *tls], capture_output=True, text=True, timeout=240,
-                              cwd=REPO, env=ENV)  # fmt: skip
+        return subprocess.run([*base, "--output-dir", str(out), *tls, "--topology.attach_timeout_s",
+                               str(attach_timeout_s), *extra], capture_output=True, text=True, timeout=240, cwd=REPO,
+                              env=ENV)  # fmt: skip
 
     try:
-        time.sleep(2)
-        trusted = controller(tmp_path / "trusted", certs["controller"])
+        out = tmp_path / "trusted"
+        trusted = controller(out, certs["controller"], 30, "--max-steps", "2", "--topology.trainer.hosts", "2",
+                             "--trainer.parallelism", "fsdp2", *LOSS_SWAPS["ipo"])  # fmt: skip
         assert trusted.returncode == 0, trusted.stderr[-3000:]
-        actors = json.loads((tmp_path / "trusted" / "topology.json").read_text())["actors"]
-        assert {a["worker"] for a in actors} == {address}
-        refused = controller(tmp_path / "refused", rogue)
+        assert [r["step"] for r in records(out)] == [0, 1]
+        assert_loss_swap(out, "ipo")
+        actors = json.loads((out / "topology.json").read_text())["actors"]
+        trainers = sorted((a["rank"], a["worker"]) for a in actors if a["role"] == "trainer")
+        assert trainers == [(0, addresses[0]), (1, addresses[1])]  # one trainer rank per host
+        assert {a["worker"] for a in actors if a["role"] != "trainer"} == {addresses[0]}
+        assert all(w.poll() is None for w in workers)  # the run frees its meshes; workers stay up
+        # A refused handshake looks like a worker that never answers: the attach times out.
+        refused = controller(tmp_path / "refused", rogue, 3, "--max-steps", "1")
         assert refused.returncode != 0
-        assert f"could not attach to topology.workers ['{address}']" in refused.stderr
-        assert worker.poll() is None  # the worker turned the stranger away and lives on
+        assert f"could not attach to topology.workers {addresses}" in refused.stderr
+        assert all(w.poll() is None for w in workers)  # the workers turned the stranger away and live on
     finally:
-        lose_host(worker)
+        for w in workers:
+            lose_host(w)
 
 
 def test_roles_take_consecutive_gpu_ranges_on_each_host():

@@ -15,6 +15,8 @@ from meshrl.loss_adapters.logprobs import sequence_token_logprobs
 from meshrl.models.tiny import ensure_tiny
 from meshrl.trainer.core import TrainerCore
 
+pytestmark = pytest.mark.mesh  # a two-proc Monarch mesh
+
 TINY = ["--model.tiny.hidden_size", "32", "--model.tiny.num_layers", "2", "--model.tiny.num_heads", "2"]
 
 

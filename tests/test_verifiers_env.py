@@ -25,7 +25,7 @@ from meshrl.traces.collator import TraceCollator
 from meshrl.traces.errors import ErrorClassifier
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
-from test_train import MESHRL, REPO, SMALL
+from e2e import MESHRL, REPO, SMALL
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO / "tests" / "fixtures")}
 
@@ -159,6 +159,7 @@ def test_shipped_example_scores_the_asked_letter():
     assert score.components == {"letter_share": 0.5, "answered": 1.0} and score.reward == 0.5
 
 
+@pytest.mark.mesh
 def test_train_on_a_verifiers_taskset_through_real_meshes(tmp_path):
     """`meshrl train` with the single-turn taskset: every rubric part logged each step, and the
     step's reward/mean is their weighted sum (1 x correct + 0.5 x short) over the same rollouts;
