@@ -2,17 +2,21 @@
 # the local CPU torch wheel first (an unpinned torch would pull several GB of CUDA), then
 # meshrl editable with its dev extras. pip installs torch (it reads the machine's pip
 # configuration, where the CPU wheel is found) and uv; uv resolves and installs the rest,
-# several times faster than pip's resolver, keeping the torch already there.
+# several times faster than pip's resolver, keeping the torch already there. Neither compiles
+# every module to bytecode; one import of what a run loads (the controller imports every
+# actor) compiles just that, so a run's processes do not each compile it again.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # Tests that start no Monarch process and open no socket: the edit loop (CI runs everything).
 FAST := -m "not mesh and not network"
+WARM := meshrl.run.controller, transformers.models.llama.modeling_llama, transformers.models.qwen3.modeling_qwen3
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q torch==2.13.0 uv==0.13.9
+	$(BIN)/pip install -q --no-compile torch==2.13.0 uv==0.13.9
 	$(BIN)/uv pip install -q --python $(BIN)/python -e '.[dev]'
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -c 'import $(WARM)'
 	touch $@
 
 .PHONY: setup train test test-fast bench
@@ -21,8 +25,10 @@ setup: $(VENV)/.installed
 train: $(VENV)/.installed
 	$(BIN)/meshrl train @ configs/local.toml
 
+# Test modules spread over one xdist worker per core; the suite starts ~80 Python processes,
+# so the bytecode of what they import is cached (even where the environment turns that off).
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q -n auto --dist loadscope --durations=25
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n auto --dist loadscope --durations=25
 
 test-fast: $(VENV)/.installed
 	$(BIN)/python -m pytest -q --durations=10 $(FAST)

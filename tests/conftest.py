@@ -19,6 +19,12 @@ import pytest  # noqa: E402 - after the ISA choice: oneDNN reads it once
 import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+# xdist workers share the cores: each takes its share of intra-op threads, or OpenMP's spinning
+# threads of two busy processes slow each other several-fold (see topology.devices.cpu_threads).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
+
 
 def pytest_collection_modifyitems(config, items):
     """Tests that start Monarch meshes run first (`make test` spreads modules over two xdist

@@ -51,7 +51,7 @@ def test_run_with_outside_workers_a_killed_one_and_a_resume(tmp_path):
         "--output-dir", str(out), "--task.prompts_per_step", "4", "--ckpt.interval", "3",
         "--ingress.bind", address, "--ingress.server_key", str(keys / "server.key_secret"),
         "--ingress.authorized_keys", str(keys / "authorized"), "--ingress.groups_per_step", "2",
-        "--ingress.lease_timeout_s", "4",
+        "--ingress.lease_timeout_s", "4", "--teachers.members", "[]",
     ]  # fmt: skip
     logs = {name: tmp_path / f"{name}.log" for name in ("a", "b", "stranger")}
     # All three wait for the controller (retrying); the stranger is refused at its first handshake.

@@ -165,7 +165,8 @@ def test_tls_mesh_across_two_hosts_trains_and_refuses_a_controller_from_another_
     addresses = [free_address("tls") for _ in range(2)]
     workers = [start_worker(a, *(f"--tls-{k}={v}" for k, v in zip(("cert", "key", "ca"), certs[f"worker{i}"])))
                for i, a in enumerate(addresses)]  # fmt: skip
-    base = [*MESHRL, "train", *SMALL, "--topology.mode", "attach", "--topology.workers", json.dumps(addresses)]
+    base = [*MESHRL, "train", *SMALL, "--topology.mode", "attach", "--topology.workers", json.dumps(addresses),
+            "--teachers.members", "[]"]  # fmt: skip
 
     def controller(out, cert: list[str], attach_timeout_s: int, *extra: str) -> subprocess.CompletedProcess:
         tls = [f"--topology.tls.{k}={v}" for k, v in zip(("cert", "key", "ca"), cert)]
