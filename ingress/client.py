@@ -186,7 +186,7 @@ class RolloutClient:
 
     def close(self) -> None:
         self._close()
-        self._context.term()
+        self._context.destroy(linger=0)  # any socket left open is closed first: term() would wait on it forever
 
     def __enter__(self) -> RolloutClient:
         return self

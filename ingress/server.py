@@ -232,7 +232,7 @@ class IngressServer:
         self._socket.close(linger=0)
         if self._auth is not None:
             self._auth.stop()
-        self._context.term()
+        self._context.destroy(linger=0)  # any socket left open is closed first: term() would wait on it forever
         for published in self._published.values():
             published.path.unlink(missing_ok=True)
 

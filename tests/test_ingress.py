@@ -8,7 +8,7 @@ import json
 import random
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -47,9 +47,21 @@ class Harness:
     format: EpisodeFormat
     engine: HFEngine  # the test's own copy of the policy, to sample honest episodes with
     temperature: float
+    clients: list[RolloutClient] = field(default_factory=list)
 
     def client(self, name: str, **kwargs) -> RolloutClient:
-        return RolloutClient(self.server.address, self.keys / "server.key", self.keys / f"{name}.key_secret", **kwargs)
+        client = RolloutClient(
+            self.server.address, self.keys / "server.key", self.keys / f"{name}.key_secret", **kwargs
+        )
+        self.clients.append(client)
+        return client
+
+    def close(self) -> None:
+        """Every client and the server: a zmq context left to the garbage collector can block its
+        process for good in `term()` (seen: a later test of the same xdist worker hung)."""
+        for client in self.clients:
+            client.close()
+        self.server.close()
 
     def offer(self, n: int, step: int = 0, samples: int = 2) -> list[GroupRequest]:
         prompts = make_task(TASK).sample_prompts(random.Random(step * 1000 + n), n)
@@ -107,7 +119,7 @@ def make_harness(root: Path, spec: TinyModelConfig, dtype: str, temperature: flo
 def harness(tmp_path_factory):
     h = make_harness(tmp_path_factory.mktemp("ingress"), LLAMA, "float32", 1.0, verify_fraction=0.5, max_strikes=100)
     yield h
-    h.server.close()
+    h.close()
 
 
 def forced_rollout(h: Harness, lease: Lease, assistant_texts: list[str]) -> Rollout:
@@ -302,12 +314,14 @@ def test_honest_worker_is_never_rejected(tmp_path, spec, dtype, temperature):
     thread = threading.Thread(target=worker.run, args=(stop,))
     thread.start()
     accepted, deadline = [], time.time() + 300
-    while len(accepted) < 100 and time.time() < deadline and thread.is_alive():
-        accepted += h.server.collect()
-        time.sleep(0.05)
-    stop.set()
-    thread.join()
-    h.server.close()
+    try:
+        while len(accepted) < 100 and time.time() < deadline and thread.is_alive():
+            accepted += h.server.collect()
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        thread.join()
+        h.close()
     stats = h.server.verifier.stats
     print(
         f"{dtype}: {len(stats.diffs)} episodes, {stats.checked_tokens} tokens, max mean |Δ| {stats.max_accepted_diff:.3g}"

@@ -46,6 +46,10 @@ def test_run_killed_after_a_checkpoint_resumes_evaluates_and_refuses_a_rerun(tmp
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    killed_at = time.time()
+    resumes_at = max(
+        int(p.name.split("_")[1]) for p in (out / "checkpoints").glob("step_*") if (p / "COMPLETE").exists()
+    )
     # max_async_level 1: step 2's prompts were drawn, not trained, when step 2 was saved; the
     # checkpoint keeps the prompt stream from before that draw, so a resume draws them again.
     stream = random.Random(0)
@@ -58,6 +62,12 @@ def test_run_killed_after_a_checkpoint_resumes_evaluates_and_refuses_a_rerun(tmp
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = records(out)
     assert [r["step"] for r in metrics] == list(range(STEPS))  # exactly one record per step
+    # The resume trained every step from its checkpoint on (the killed run's records of those steps were
+    # dropped, not kept in place of them); the steps before were the killed run's.
+    timeline = [json.loads(line) for line in (out / "timeline.jsonl").read_text().splitlines()]
+    assert [t["step"] for t in timeline] == list(range(STEPS))
+    trained_at = [min(s["start"] for s in t["spans"] if s["lane"] == "trainer") for t in timeline]
+    assert all((at > killed_at) == (step >= resumes_at) for step, at in enumerate(trained_at)), (resumes_at, killed_at)
     for r in metrics:
         for key in ("reward/mean", "loss/total", "policy_version", "staleness", "rollout_tokens_per_s",
                     "train_tokens_per_s", "time/weight_sync"):  # fmt: skip
