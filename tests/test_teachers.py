@@ -98,9 +98,17 @@ class Endpoint:
                 with endpoint.lock:
                     endpoint.in_flight += 1
                     endpoint.max_in_flight = max(endpoint.max_in_flight, endpoint.in_flight)
+                self.held = True
                 try:
                     self.answer()
                 finally:
+                    self.release()
+
+            def release(self) -> None:
+                """Held no more once its answer starts: the client may send its next request as soon
+                as it reads the answer, before this handler returns (counted then, 4 were "held")."""
+                if self.held:
+                    self.held = False
                     with endpoint.lock:
                         endpoint.in_flight -= 1
 
@@ -123,6 +131,7 @@ class Endpoint:
                     status, payload = 200, completion({"role": "assistant", "content": body["messages"][-1]["content"]})
                 else:
                     status, payload = RESPONSES.get(behaviour, (404, b"{}"))
+                self.release()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(payload)))
