@@ -138,6 +138,22 @@ def test_consensus_equal_to_student_gives_none():
     assert mine_pairs(state(LS), {"a": same_as_student, "b": LS, "c": CAT}, min_agree=1) is None
 
 
+def test_reasoning_is_not_part_of_the_action():
+    """A thinking student that makes the teachers' call is no pair (DPO would learn to drop its
+    reasoning); one that thinks and makes another call still is."""
+    thinking = act(
+        "<think>\nThe user wants the files: ls.\n</think>\n\nListing.", ("bash", {"cmd": "ls", "timeout": 10})
+    )
+    assert normalize_action(thinking) == normalize_action(LS)
+    assert normalize_action(act("<think></think>Listing.", ("bash", {"cmd": "ls", "timeout": 10}))) == normalize_action(
+        LS
+    )
+    assert mine_pairs(state(thinking), {"a": LS, "b": LS}, min_agree=2) is None
+    wrong = act("<think>\nmaybe pwd first\n</think>\n\nWhere am I?", ("bash", {"cmd": "pwd"}))
+    pair = mine_pairs(state(wrong), {"a": LS, "b": LS}, min_agree=2)
+    assert pair is not None and pair.rejected["content"] == wrong.content  # the student's turn as it was
+
+
 def test_tie_for_largest_group_gives_none():
     assert mine_pairs(state(LS), {"a": CAT, "b": CAT, "c": PWD, "d": PWD}, min_agree=1) is None
     assert mine_pairs(state(LS), {"a": CAT, "b": PWD}, min_agree=1) is None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -76,16 +77,21 @@ def _canonical(value: Any) -> Any:
     return value
 
 
-def normalize_action(turn: Action) -> str:
-    """A key equal for actions that differ only in formatting.
+REASONING = re.compile(r"<think>.*?(</think>|$)", re.DOTALL)
 
+
+def normalize_action(turn: Action) -> str:
+    """A key equal for actions that differ only in formatting or in reasoning.
+
+    Reasoning (`<think>…</think>`, an unclosed one to the end) is how the action was reached,
+    not the action: a thinking student and non-thinking teachers that make the same call agree.
     Text: whitespace runs collapse to one space and the ends are stripped; case is kept.
     Tool calls: name and arguments in call order; argument keys sorted, integral floats
     as ints, call ids dropped. Whitespace inside argument values is data and is kept.
     """
     action = _as_action(turn)
     calls = [[call.name, _canonical(call.arguments)] for call in action.tool_calls or []]
-    key = {"content": " ".join(action.content.split()), "tool_calls": calls}
+    key = {"content": " ".join(REASONING.sub("", action.content).split()), "tool_calls": calls}
     return json.dumps(key, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
