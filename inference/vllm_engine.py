@@ -1,7 +1,8 @@
 """The GPU backend: the same `generate`/`load_weights` contract as HFEngine, served by vLLM's offline `LLM`.
 
 Written against vLLM's V1 offline API as of vllm-project/vllm main at commit 10fdb8f
-(vllm/entrypoints/llm.py, about v0.15; `logprobs_mode` needs >= 0.10.2) and the V1 sampler
+(vllm/entrypoints/llm.py, about v0.15; `logprobs_mode` needs >= 0.10.2, a prompt's
+`cache_salt` >= 0.9) and the V1 sampler
 at commit 3e34265 (vllm/v1/sample/sampler.py). vLLM is imported only inside the
 constructor, so this module imports on machines without it; the request/response
 mapping lives in pure functions that are tested without vLLM.
@@ -38,9 +39,15 @@ def to_sampling_kwargs(
     }
 
 
-def to_prompt_inputs(prompts: list[list[int]]) -> list[dict[str, list[int]]]:
-    """Token-id prompts in vLLM's `TokensPrompt` shape, so vLLM never re-tokenizes them."""
-    return [{"prompt_token_ids": list(prompt)} for prompt in prompts]
+def to_prompt_inputs(prompts: list[list[int]], version: int) -> list[dict[str, Any]]:
+    """Token-id prompts in vLLM's `TokensPrompt` shape, so vLLM never re-tokenizes them, salted
+    with the policy version: prefix-cache blocks are shared only between requests of one version.
+
+    Without the salt a request at version v+k reuses blocks computed by version v's weights:
+    `reset_prefix_cache()` does nothing while any block is in use, which is always the case
+    while generation runs ahead of training (PRIME-RL salts by version for the same reason).
+    """
+    return [{"prompt_token_ids": list(prompt), "cache_salt": f"policy-{version}"} for prompt in prompts]
 
 
 def add_output(turn: Completion, output: Any, version: int) -> bool:
@@ -94,9 +101,9 @@ class VLLMEngine:
     def load_weights(self, state_dict: dict[str, Tensor], version: int) -> None:
         """Load trainer weights (HF names) through the model's own `load_weights`, which fuses and shards them."""
         self._llm.collective_rpc(load_into_worker, args=(list(state_dict.items()),))
-        # Cached prefix KV blocks were computed by the old weights. vLLM refuses the reset while
-        # requests hold blocks (a swap mid-turn): their KV stays, as the HF engine's does.
-        self._llm.reset_prefix_cache()
+        # Cached prefix blocks of the old weights stay until evicted, unreachable: requests from now
+        # on carry the new version's cache salt. A request already running keeps its KV, as the HF
+        # engine's episodes do.
         self._version = version
 
     def sequence(self, ids: list[int], seed: int | None = None) -> VLLMSequence:
@@ -126,7 +133,7 @@ class VLLMEngine:
         kwargs = to_sampling_kwargs(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
                                     stop_token_ids=stop_token_ids, seed=seq.rng.getrandbits(63))  # fmt: skip
         params = SamplingParams(**kwargs, output_kind=RequestOutputKind.DELTA)
-        self._llm.llm_engine.add_request(seq.request_id, to_prompt_inputs([seq.ids])[0], params)
+        self._llm.llm_engine.add_request(seq.request_id, to_prompt_inputs([seq.ids], self._version)[0], params)
         return True
 
     def generate(

@@ -87,11 +87,14 @@ def test_request_seeds_are_reproducible_and_distinct_for_duplicated_prompts():
     assert seeds != request_seeds(8, 8)
 
 
-def test_prompt_inputs_are_token_prompts():
+def test_prompt_inputs_are_token_prompts_salted_by_policy_version():
     prompts = [[1, 2, 3], [4]]
-    inputs = to_prompt_inputs(prompts)
-    assert inputs == [{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [4]}]
+    inputs = to_prompt_inputs(prompts, version=3)
+    assert inputs == [{"prompt_token_ids": [1, 2, 3], "cache_salt": "policy-3"},
+                      {"prompt_token_ids": [4], "cache_salt": "policy-3"}]  # fmt: skip
     assert inputs[0]["prompt_token_ids"] is not prompts[0]
+    # the same ids under another version share no prefix-cache blocks with these
+    assert {i["cache_salt"] for i in to_prompt_inputs(prompts, version=4)}.isdisjoint({"policy-3"})
 
 
 def test_a_stopped_request_becomes_a_completion_ending_in_its_stop_token():
