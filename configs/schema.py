@@ -371,6 +371,20 @@ class RefKlLoss(LossBase):
     type: Literal["ref_kl"] = Field("ref_kl", description="On-policy distillation toward ref_logprobs.")
     mask_low: float = Field(0.2, ge=0, description="Mask tokens whose probability fell by more than this.")
     kl_tau: float = Field(1e-3, ge=0, description="Scale of the squared log-ratio KL to the inference policy.")
+    reference_path: str | None = Field(
+        None,
+        description="The model to distill toward (an HF directory with the policy's tokenizer); "
+        "None = the policy RL starts from (after any warm start), held frozen.",
+    )
+
+    @model_validator(mode="after")
+    def _one_reference(self) -> RefKlLoss:
+        if self.reference_path is not None and self.replay.weight > 0 and self.replay.variant == "dpo":
+            raise ValueError(
+                "loss.reference_path: the replay DPO channel's reference is the policy RL starts from; "
+                "a run holds one frozen reference (use replay.variant = 'simpo', or no reference_path)"
+            )
+        return self
 
 
 class CustomLoss(LossBase):

@@ -41,16 +41,22 @@ class AuxShards:
 
 
 def rl_shards(
-    rollouts: Sequence[Rollout], advantages: Sequence[float], micro_batch_tokens: int, pad_id: int, world: int
+    rollouts: Sequence[Rollout],
+    advantages: Sequence[float],
+    micro_batch_tokens: int,
+    pad_id: int,
+    world: int,
+    keep_zero_advantage: bool = False,
 ) -> RlShards:
     """Per-rank lists of packed micro-batches, the step's loss-mask token count, and truncations.
 
-    Zero-advantage rollouts carry no policy gradient and are left out (PRIME-RL does the same).
+    Zero-advantage rollouts carry no policy gradient and are left out (PRIME-RL does the same),
+    unless `keep_zero_advantage`: a loss whose signal is not the advantage (ref_kl) trains on them.
     A rollout longer than the micro-batch keeps its first `micro_batch_tokens` tokens.
     """
     rows, values, truncated = [], [], 0
     for r, a in zip(rollouts, advantages):
-        if a == 0:
+        if a == 0 and not keep_zero_advantage:
             continue
         ids, mask, lp = (np.asarray(x) for x in (r.token_ids, r.loss_mask, r.logprobs))
         if ids.size > micro_batch_tokens:

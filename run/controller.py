@@ -644,7 +644,8 @@ class Controller:
                 continue
 
             advantages = group_advantages(fresh)
-            rl = rl_shards(fresh, advantages, cfg.trainer.micro_batch_tokens, self.tokenizer.pad_token_id, world)
+            rl = rl_shards(fresh, advantages, cfg.trainer.micro_batch_tokens, self.tokenizer.pad_token_id, world,
+                           keep_zero_advantage=cfg.loss.type == "ref_kl")  # fmt: skip
             pairs = self.pairs if cfg.loss.replay.weight > 0 else []  # a channel at weight 0 gets no rows
             aux = aux_shards(fresh, pairs, self.collator, world, cfg.loss.sdpo.max_traces_per_step)
             replay_pairs = len(self.pairs)

@@ -57,6 +57,7 @@ LOSS_SWAPS = {
     "rl-only": ["--loss.replay.weight", "0", "--loss.sdpo.weight", "0"],
     "custom": ["--loss.type", "custom", "--loss.import-path", "meshrl.loss_adapters.prime_rl.loss_fn",
                "--loss.kwargs", '{"kl_tau": 0.01}'],
+    "ref_kl": ["@", str(REPO / "configs" / "ref_kl.toml")],  # the shipped preset
 }  # fmt: skip
 
 
@@ -72,6 +73,8 @@ def assert_loss_swap(out: Path, swap: str) -> None:
         assert all("loss/replay" not in r and "loss/sdpo" not in r for r in metrics)
     else:
         assert config.loss.type == swap
+        if swap == "ref_kl":  # the trainer's frozen reference scored every step's rows
+            assert all("ref_kl" in r and "ref_kl/is_masked" in r for r in metrics)
         if swap == "custom":
             assert config.loss.import_path == "meshrl.loss_adapters.prime_rl.loss_fn"
             assert config.loss.kwargs == {"kl_tau": 0.01}

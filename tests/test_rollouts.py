@@ -22,3 +22,6 @@ def test_a_group_with_equal_rewards_has_exactly_zero_advantage_and_no_rows():
     assert rl.tokens == 4  # only the two rollouts of the mixed group, two sampled tokens each
     (shard,) = rl.shards
     assert sum(int(b["loss_mask"].sum()) for b in shard) == 4
+    # ref_kl's signal is the reference's logprobs, not the advantage: every rollout trains.
+    kept = rl_shards(rollouts, advantages, micro_batch_tokens=64, pad_id=0, world=1, keep_zero_advantage=True)
+    assert kept.tokens == 10

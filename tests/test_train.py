@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from e2e import ENV, MESHRL, REPO, SMALL, records, train
+from e2e import ENV, LOSS_SWAPS, MESHRL, REPO, SMALL, assert_loss_swap, records, train
 
 from meshrl.cli.main import main
 from meshrl.configs import load_config
@@ -29,11 +29,12 @@ pytestmark = pytest.mark.mesh
 
 STEPS = 6
 # Two trainer ranks, checkpoints every 2 steps, evaluation every 2 (and of the final policy),
-# TensorBoard and W&B (offline); steps paced at 0.2 s so the kill lands mid-run.
+# TensorBoard and W&B (offline), the ref_kl preset (a loss swap: its reference is checkpointed and
+# resumed too); steps paced at 0.2 s so the kill lands mid-run.
 RUN = ["--max-steps", str(STEPS), "--topology.trainer.procs", "2", "--ckpt.interval", "2",
        "--eval.interval", "2", "--eval.n", "2", "--eval.k", "2",
        "--metrics.tensorboard", "--metrics.wandb_project", "meshrl-test", "--metrics.wandb_mode", "offline",
-       "--task.kwargs", '{"prompt_delay_s": 0.2}']  # fmt: skip
+       "--task.kwargs", '{"prompt_delay_s": 0.2}', *LOSS_SWAPS["ref_kl"]]  # fmt: skip
 
 
 def test_run_killed_after_a_checkpoint_resumes_evaluates_and_refuses_a_rerun(tmp_path, capsys):
@@ -113,6 +114,8 @@ def test_run_killed_after_a_checkpoint_resumes_evaluates_and_refuses_a_rerun(tmp
     wandb_runs = sorted((out / "wandb").glob("offline-run-*"))
     assert len(wandb_runs) == 2 and all(p.name.endswith(run_id) for p in wandb_runs)  # resumed, same run
     assert all((p / f"run-{run_id}.wandb").stat().st_size > 0 for p in wandb_runs)
+
+    assert_loss_swap(out, "ref_kl")
 
     # A fresh run into this directory would mix with the old one: refused, naming what is there.
     assert main(["train", *SMALL, "--output-dir", str(out), "--max-steps", str(STEPS)]) == 2

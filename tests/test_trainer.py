@@ -36,16 +36,33 @@ def rl_batch(model: torch.nn.Module, seed: int, length: int = 20) -> dict[str, t
     }
 
 
-def dpo_batch(seed: int, vocab: int, length: int = 12) -> dict[str, torch.Tensor]:
+def dpo_batch(seed: int, vocab: int, length: int = 12, pairs: int = 2) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    mask = torch.zeros(2, length, dtype=torch.bool)
+    mask = torch.zeros(pairs, length, dtype=torch.bool)
     mask[:, length // 2 :] = True
     return {
-        "dpo_chosen_input_ids": torch.randint(3, vocab, (2, length), generator=g),
-        "dpo_rejected_input_ids": torch.randint(3, vocab, (2, length), generator=g),
+        "dpo_chosen_input_ids": torch.randint(3, vocab, (pairs, length), generator=g),
+        "dpo_rejected_input_ids": torch.randint(3, vocab, (pairs, length), generator=g),
         "dpo_chosen_response_mask": mask,
         "dpo_rejected_response_mask": mask,
     }
+
+
+def sdpo_batch(seed: int, vocab: int, recovery: list[int], length: int = 12) -> dict[str, torch.Tensor]:
+    """One SDPO row per entry of `recovery` (its recovery turn's token count, at the row's end);
+    the teacher rows differ from the student rows in a hint region before it."""
+    g = torch.Generator().manual_seed(seed)
+    student = torch.randint(3, vocab, (len(recovery), length), generator=g)
+    teacher = student.clone()
+    teacher[:, 1:4] = torch.randint(3, vocab, (len(recovery), 3), generator=g)
+    labels = torch.full((len(recovery), length), -100)
+    for row, n in enumerate(recovery):
+        labels[row, length - n :] = 1
+    return {"sdpo_student_input_ids": student, "sdpo_teacher_input_ids": teacher, "sdpo_loss_mask": labels}
+
+
+def _cat(batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
 
 
 @pytest.mark.parametrize("parallelism", ["ddp", "fsdp2"])
@@ -60,6 +77,8 @@ def test_two_rank_step_matches_one_rank_and_checkpoints_round_trip(tmp_path, par
         "1e-3",
         "--loss.replay.weight",
         "0.1",
+        "--loss.sdpo.weight",
+        "0.2",
         "--trainer.grad_bucket_mb",
         "0.002",
     ]  # fmt: skip - DDP all-reduces in many 2 KB buckets
@@ -74,11 +93,14 @@ def test_two_rank_step_matches_one_rank_and_checkpoints_round_trip(tmp_path, par
     single.sft_step({k: torch.cat([b[k] for b in warm]) for k in warm[0]})
     single.start_rl()  # the DPO reference becomes the warm-started policy
     before = {k: v.clone() for k, v in single.weights().items()}
-    # Rank 0 gets two micro-batches and the only replay batch; rank 1 one micro-batch and none.
+    # Rank 0 gets two micro-batches, two replay pairs and one SDPO row of 2 recovery tokens; rank 1 one
+    # micro-batch, one pair and two SDPO rows of 5 and 3: each channel is the mean over all ranks' pairs
+    # and recovery tokens, not the mean of the ranks' means (those gave a cosine of 0.75 to one rank's).
     shards = [[rl_batch(single.model, 1), rl_batch(single.model, 2)], [rl_batch(single.model, 3)]]
-    aux = [dpo_batch(4, vocab), None]
+    aux = [{**dpo_batch(4, vocab), **sdpo_batch(7, vocab, [2])},
+           {**dpo_batch(8, vocab, pairs=1), **sdpo_batch(9, vocab, [5, 3])}]  # fmt: skip
     rl_tokens = sum(int(b["loss_mask"].sum()) for shard in shards for b in shard)
-    expected = single.train_step([shards[0] + shards[1]], [aux[0]], rl_tokens)
+    expected = single.train_step([shards[0] + shards[1]], [_cat(aux)], rl_tokens)
 
     procs = this_host().spawn_procs(per_host={"procs": 2})
     try:
@@ -95,7 +117,9 @@ def test_two_rank_step_matches_one_rank_and_checkpoints_round_trip(tmp_path, par
 
     assert weights[1] is None  # only rank 0 ships the full weights
     assert got[0]["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4)
-    assert got[0]["loss/replay"] == pytest.approx(expected["loss/replay"], rel=1e-5)
+    for channel, counts in (("loss/replay", (2, 1)), ("loss/sdpo", (2, 8))):  # each rank logs its own mean
+        mean = sum(got[r][channel] * counts[r] for r in range(2)) / sum(counts)
+        assert mean == pytest.approx(expected[channel], rel=1e-5), channel
     # Each rank's RL part is its samples' loss sum over half the step's tokens.
     assert (got[0]["loss/rl"] + got[1]["loss/rl"]) / 2 == pytest.approx(expected["loss/rl"], rel=1e-4, abs=1e-7)
     after = single.weights()

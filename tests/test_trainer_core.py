@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from meshrl.configs import load_config
+from meshrl.loss_adapters.logprobs import sequence_token_logprobs
 from meshrl.models.tiny import ensure_tiny
 from meshrl.trainer import checkpoint
 from meshrl.trainer import core as core_module
@@ -73,7 +74,7 @@ def test_bfloat16_computes_over_float32_master_weights(tmp_path):
     model_path = str(ensure_tiny(tmp_path / "model", config.model.tiny))
     core = TrainerCore(config, model_path)
     assert {p.dtype for p in core.model.parameters()} == {torch.float32}
-    assert {p.dtype for p in core.ref_model.parameters()} == {torch.bfloat16}  # frozen: held in the compute dtype
+    assert {p.dtype for p in core.ref_model.parameters()} == {torch.float32}  # computes as the policy does
     before = {k: v.clone() for k, v in core.weights().items()}
     metrics = core.train_step([[rl_batch(core.model, 1)]], [dpo_batch(2, core.model.config.vocab_size)], 10)
     assert metrics["skipped_steps"] == 0
@@ -83,6 +84,43 @@ def test_bfloat16_computes_over_float32_master_weights(tmp_path):
     assert moved / total > 0.9
     assert {s["exp_avg"].dtype for s in core.optimizer.state.values()} == {torch.float32}
     assert {v.dtype for v in core.weights(torch.bfloat16).values()} == {torch.bfloat16}  # what generators get
+
+
+def test_the_dpo_reference_is_the_starting_policy_exactly_in_bfloat16(tmp_path):
+    """Before any step the reference and the policy score both sides alike, so every pair's
+    β·margin is 0 exactly (a bf16 copy of the reference gave -2.0e-3 on this shape)."""
+    config = load_config([*QWEN_TIED, "--model.dtype", "bfloat16", "--loss.replay.weight", "0.5"])
+    core = TrainerCore(config, str(ensure_tiny(tmp_path / "model", config.model.tiny)))
+    _, metrics = core._loss(dpo_batch(2, core.model.config.vocab_size))
+    assert metrics["replay/margin"] == 0 and metrics["replay/reward_chosen"] == 0
+
+
+def test_ref_kl_scores_its_reference_and_distills_toward_it(tmp_path):
+    """`loss.type = "ref_kl"` gets per-token ref_logprobs from the trainer's frozen reference: the
+    starting policy by default (the signal is 0 at the start), or `reference_path`, which a few
+    steps on one batch pull the policy toward. Zero-advantage rows train (their signal is not A)."""
+    config = load_config([*QWEN_TIED, "--loss.type", "ref_kl", "--trainer.lr", "3e-3"])
+    model_path = str(ensure_tiny(tmp_path / "model", config.model.tiny))
+    core = TrainerCore(config, model_path)
+    batch = {**rl_batch(core.model, 1), "advantages": torch.zeros(1, 20)}
+    assert core.train_step([[batch]], [None], rl_tokens=10)["ref_kl"] == 0
+
+    teacher = str(ensure_tiny(tmp_path / "teacher", config.model.tiny, seed=1))
+    core = TrainerCore(load_config([*QWEN_TIED, "--loss.type", "ref_kl", "--trainer.lr", "3e-3",
+                                    "--loss.reference_path", teacher]), model_path)  # fmt: skip
+
+    def gap() -> float:  # mean |lp_ref − lp_policy| over the batch's sampled tokens
+        with torch.no_grad():
+            policy, ref = (sequence_token_logprobs(m, batch["input_ids"]) for m in (core.model, core.ref_model))
+        return float((ref - policy).abs()[batch["loss_mask"]].mean())
+
+    gaps = [gap()]
+    for _ in range(6):
+        core.train_step([[batch]], [None], rl_tokens=10)
+        gaps.append(gap())
+    assert gaps[0] > 0.1 and gaps[-1] < 0.5 * gaps[0], gaps
+    with pytest.raises(ValueError, match="loss.reference_path"):
+        load_config(["--loss.type", "ref_kl", "--loss.reference_path", teacher, "--loss.replay.weight", "0.1"])
 
 
 def test_gradient_buckets_bound_each_all_reduce_copy():

@@ -39,7 +39,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
-from meshrl.configs.schema import RunConfig
+from meshrl.configs.schema import RefKlLoss, RunConfig
 from meshrl.loss_adapters.compose import REPLAY_KEYS, compose_loss, reference_sums, rl_loss_fn
 from meshrl.loss_adapters.logprobs import sequence_token_logprobs
 from meshrl.trainer.checkpoint import CheckpointWriter, TrainerState, own_copy, write_checkpoint
@@ -117,6 +117,13 @@ def grad_buckets(grads: list[torch.Tensor], cap_bytes: int) -> list[list[torch.T
     return [b for b in buckets if b]
 
 
+def _aux_count(channel: str, batch: dict[str, Any]) -> int:
+    """What a channel's loss is a mean over: pairs (`dpo_`) or recovery tokens (`sdpo_`)."""
+    if channel == "dpo_":
+        return len(batch["dpo_chosen_input_ids"])
+    return int((batch["sdpo_loss_mask"][:, 1:] != -100).sum())
+
+
 class TrainerCore:
     """One rank's model, frozen DPO reference, AdamW, LR schedule and NaN/Inf-guarded step."""
 
@@ -130,10 +137,18 @@ class TrainerCore:
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
         self.model.train()
         loss = config.loss
-        needs_ref = loss.replay.weight > 0 and loss.replay.variant == "dpo"
-        self.ref_model = (
-            copy.deepcopy(self.model).to(self.compute_dtype).eval().requires_grad_(False) if needs_ref else None
-        )
+        # One frozen reference: the DPO channel's, and ref_kl's (its `reference_path`, else the policy RL
+        # starts from). It keeps float32 and computes as the policy does (autocast on one rank or DDP,
+        # FSDP2's compute-dtype gather), so at the start its logprobs are the policy's exactly: a bf16
+        # copy rounds the norms' weights and runs them in bf16 (the DPO margin was not 0).
+        self.ref_kl = isinstance(loss, RefKlLoss)
+        self.fixed_ref = self.ref_kl and loss.reference_path is not None
+        needs_ref = (loss.replay.weight > 0 and loss.replay.variant == "dpo") or self.ref_kl
+        if self.fixed_ref:
+            self.ref_model = AutoModelForCausalLM.from_pretrained(loss.reference_path, dtype=torch.float32)
+            self.ref_model.to(self.device).eval().requires_grad_(False)
+        else:
+            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if needs_ref else None
         self.rl_fn = rl_loss_fn(loss)
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -199,13 +214,26 @@ class TrainerCore:
         }
 
     def _with_reference(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """The batch with the DPO reference's summed logprobs of its pairs, scored through the
-        reference's own `ModelCall` (so a sharded reference gathers its weights as the policy does)."""
-        if self.ref_call is None or not all(k in batch for k in REPLAY_KEYS) or "dpo_ref_chosen_logprob" in batch:
+        """The batch with what the reference scores, through its own `ModelCall` (so a sharded
+        reference gathers its weights as the policy does): the summed logprobs of its DPO pairs, and
+        for ref_kl the per-token `ref_logprobs` of its RL rows (under the sampler's temperature, as
+        the policy's are scored)."""
+        if self.ref_call is None:
             return batch
         chunk_size = self.config.model.logprob_chunk_size
-        (sums,) = self.ref_call(lambda model, batch: (reference_sums(model, batch, chunk_size),), batch)
-        return {**batch, **sums}
+        if self.ref_kl and "input_ids" in batch and "ref_logprobs" not in batch:
+            temperature = self.config.generator.temperature
+            kwargs = {k: batch[k] for k in ("attention_mask", "position_ids") if k in batch}
+            with torch.no_grad():
+                (ref,) = self.ref_call(
+                    lambda model, ids: (sequence_token_logprobs(model, ids, chunk_size, temperature, **kwargs),),
+                    batch["input_ids"],
+                )
+            batch = {**batch, "ref_logprobs": ref}
+        if all(k in batch for k in REPLAY_KEYS) and "dpo_ref_chosen_logprob" not in batch:
+            (sums,) = self.ref_call(lambda model, batch: (reference_sums(model, batch, chunk_size),), batch)
+            batch = {**batch, **sums}
+        return batch
 
     def _loss(self, batch: dict[str, Any], rl_token_count: float | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
         """The composed loss of one batch, through `ModelCall` (so FSDP2's root hooks run)."""
@@ -260,11 +288,14 @@ class TrainerCore:
         for channel in self._aux_channels():
             parts = [{k: v for k, v in (a or {}).items() if k.startswith(channel)} for a in aux_shards]
             shards = [[part] if part else [] for part in parts]
-            # Ranks average their gradients: scale so ranks without this channel's batch don't dilute it.
-            scale = self.world / max(1, sum(map(len, shards)))
+            # A rank's loss is the mean over its own pairs (DPO) or recovery tokens (SDPO); weighted by
+            # its share of the step's count, the ranks' averaged gradients are the mean over all of them,
+            # as one rank holding every batch would compute (the RL channel's global token count, too).
+            counts_by_rank = [_aux_count(channel, part) if part else 0 for part in parts]
+            share = self.world * counts_by_rank[rank] / max(1, sum(counts_by_rank))
             for batch, weight in self._passes(shards, rank):
                 loss, out = self._loss(batch)
-                (loss * weight * scale).backward()
+                (loss * weight * share).backward()
                 if weight:
                     metrics.update({k: float(v) for k, v in out.items() if k != "loss/total"})
         metrics["loss/total"] = (
@@ -302,7 +333,7 @@ class TrainerCore:
         RL steps) unless `trainer.warm_start_keep_optimizer`."""
         if not self.config.trainer.warm_start_keep_optimizer:
             self.optimizer.state.clear()
-        if self.ref_model is not None:  # shard to shard (sharded alike under FSDP2), cast to the compute dtype
+        if self.ref_model is not None and not self.fixed_ref:  # shard to shard (sharded alike under FSDP2)
             with torch.no_grad():
                 for ref, param in zip(self.ref_model.parameters(), self.model.parameters(), strict=True):
                     ref.copy_(param)
