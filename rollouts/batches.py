@@ -18,7 +18,7 @@ from meshrl.rollouts.episodes import Rollout
 from meshrl.rollouts.packing import Encoded, pack_rows
 from meshrl.traces.collator import CollateStats, TraceCollator
 from meshrl.traces.errors import ErrorClassifier, mark_error_sites
-from meshrl.traces.schema import TraceExample, Turn
+from meshrl.traces.schema import TokenSpan, TraceExample, Turn
 
 
 @dataclass
@@ -73,11 +73,37 @@ def rl_shards(
     return RlShards(shards, int(sum(int(r.mask.sum()) for r in rows)), truncated)
 
 
+def sampled_spans(loss_mask: Sequence[bool]) -> list[TokenSpan]:
+    """The runs of sampled tokens, in order: one per assistant turn of an episode (tool turns,
+    unsampled, lie between them)."""
+    spans, start = [], None
+    for i, sampled in enumerate([*loss_mask, False]):
+        if sampled and start is None:
+            start = i
+        elif not sampled and start is not None:
+            spans.append(TokenSpan(start=start, end=i))
+            start = None
+    return spans
+
+
 def rollout_trace(rollout: Rollout, classifier: ErrorClassifier) -> TraceExample:
-    """A rollout as a trace example, its error sites marked as ingestion marks them."""
+    """A rollout as a trace example, its error sites marked as ingestion marks them, with its exact
+    ids and each assistant turn's sampled span in them."""
     turns = [Turn.from_message(m) for m in rollout.messages]
+    assistant = [t for t in turns if t.role == "assistant"]
+    spans = sampled_spans(rollout.loss_mask)
+    if len(spans) != len(assistant):
+        raise ValueError(f"rollout {rollout.prompt.prompt_id}: {len(spans)} sampled spans for {len(assistant)} turns")
+    for turn, span in zip(assistant, spans):
+        turn.token_span = span
     mark_error_sites(turns, classifier)
-    return TraceExample(trace_id=rollout.prompt.prompt_id, source="rollout", turns=turns, final_reward=rollout.reward)
+    return TraceExample(
+        trace_id=rollout.prompt.prompt_id,
+        source="rollout",
+        turns=turns,
+        final_reward=rollout.reward,
+        token_ids=list(rollout.token_ids),
+    )
 
 
 def aux_shards(

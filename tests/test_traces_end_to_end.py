@@ -5,17 +5,23 @@ from __future__ import annotations
 
 import copy
 import json
+import random
 from pathlib import Path
 
 import torch
 
 from meshrl.configs import load_config
-from meshrl.configs.schema import TinyModelConfig
+from meshrl.configs.schema import TaskConfig, TinyModelConfig
+from meshrl.inference.completion import Completion
 from meshrl.loss_adapters import compose_loss
 from meshrl.loss_adapters.logprobs import sequence_token_logprobs
 from meshrl.models.tiny import build_model, build_tokenizer
+from meshrl.rollouts.batches import rollout_trace
+from meshrl.rollouts.episodes import EpisodeFormat
+from meshrl.tasks.base import make_task, task_tools
 from meshrl.traces.claude_code import ingest_claude_code
 from meshrl.traces.collator import TraceCollator
+from meshrl.traces.errors import ErrorClassifier
 from meshrl.traces.pairs import mine_pairs, trace_states
 
 SESSION = "0f1e2d3c-aaaa-bbbb-cccc-123456789abc"
@@ -82,3 +88,53 @@ def test_session_to_gradients(tmp_path):
     grads = [p.grad for p in model.parameters()]
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
     assert sum(float(g.abs().sum()) for g in grads) > 0
+
+
+def test_replay_and_sdpo_rows_from_a_rollout_hold_its_sampled_ids():
+    """A rollout's recovery turn samples a malformed call (a parse→render would rewrite it as a
+    `<malformed>` call the policy never wrote): the rejected DPO row and both SDPO rows hold the
+    sampled ids exactly, after the rollout's own ids before the turn (student and rejected rows)."""
+    tok = build_tokenizer(512, chat_template="hermes")
+    task = make_task(TaskConfig(kwargs={"n_keys": 3}))
+    episode = EpisodeFormat(tok, task)
+    (prompt,) = task.sample_prompts(random.Random(0), 1)
+
+    def sample(rollout, text: str) -> tuple[list[int], list[int]]:
+        """The ids before the turn and the turn's sampled ids; the turn's calls are answered."""
+        before, ids = list(rollout.token_ids), tok(text + episode.footer, add_special_tokens=False)["input_ids"]
+        calls = episode.add_turn(rollout, Completion(before, ids, [-0.5] * len(ids), "stop", [0] * len(ids)))
+        episode.add_tool_results(rollout, calls, [episode.call_tool(rollout, c) for c in calls])
+        return before, ids
+
+    rollout = episode.start(prompt)
+    sample(rollout, '<tool_call>\n{"name": "lookup", "arguments": {"key": "nowhere"}}\n</tool_call>')  # an error
+    malformed = '<tool_call>\n{"name": "lookup", "arguments": {"key": "a"\n</tool_call>'
+    before, recovery = sample(rollout, malformed)  # the error site: its call is malformed (an error too)
+    rollout.reward = 0.0
+    assert rollout.tool_errors == 2 and rollout.messages[4]["tool_calls"][0]["function"]["name"] == "<malformed>"
+
+    example = rollout_trace(rollout, ErrorClassifier())
+    state = trace_states(example)[1]
+    assert state.prompt_token_ids == before and state.student_token_ids == recovery
+    better = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": "t", "name": "lookup", "arguments": {"key": "a"}}],
+    }
+    pair = mine_pairs(state, {"a": better, "b": better}, min_agree=2)
+    assert pair is not None and pair.rejected_token_ids == recovery
+
+    collator = TraceCollator(tok, hint_generator=lambda kind, meta: "Hint: the key is a.", tools=task_tools(task))
+    batch = collator([example], pairs=[pair], rl=False).batch
+
+    def row(ids, mask) -> tuple[list[int], list[int]]:  # (unmasked ids before the response, masked ids)
+        ids, mask = ids[ids != tok.pad_token_id].tolist(), mask[ids != tok.pad_token_id].bool().tolist()
+        return [i for i, m in zip(ids, mask) if not m], [i for i, m in zip(ids, mask) if m]
+
+    assert row(batch["dpo_rejected_input_ids"][0], batch["dpo_rejected_response_mask"][0]) == (before, recovery)
+    chosen_before, chosen = row(batch["dpo_chosen_input_ids"][0], batch["dpo_chosen_response_mask"][0])
+    assert chosen_before == before and tok.decode(chosen).startswith("<tool_call>")  # the teachers' call, rendered
+    sdpo_mask = batch["sdpo_loss_mask"][0] == 1
+    assert row(batch["sdpo_student_input_ids"][0], sdpo_mask) == (before, recovery)
+    hinted, teacher_ids = row(batch["sdpo_teacher_input_ids"][0], sdpo_mask)
+    assert teacher_ids == recovery and "Hint: the key is a." in tok.decode(hinted)

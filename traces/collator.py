@@ -72,6 +72,13 @@ class Collated:
     stats: CollateStats
 
 
+def _then(before: np.ndarray, ids: np.ndarray) -> Encoded:
+    """A row of `before` then `ids`, the mask on `ids`."""
+    mask = np.zeros(before.size + ids.size, dtype=bool)
+    mask[before.size :] = True
+    return Encoded(np.concatenate([before, ids]).astype(np.int64), mask)
+
+
 class TraceCollator:
     """Collate trace examples into RL/SFT, SDPO and replay-DPO tensors.
 
@@ -243,8 +250,12 @@ class TraceCollator:
         return True
 
     def _sdpo(self, examples: Sequence[TraceExample], stats: CollateStats) -> tuple[list[Encoded], list[Encoded]]:
-        """One (student, teacher) pair per error site: the teacher sees a hint right before the recovery turn."""
-        students, teachers = [], []
+        """One (student, teacher) pair per error site: the teacher sees a hint right before the recovery turn.
+
+        A sampled recovery turn keeps its exact ids in both rows, after the exact ids before it
+        (student) or the rendered conversation with the hint (teacher); only a trace without ids
+        (ingested) is rendered whole."""
+        students, teachers, exact = [], [], []
         for ex in examples:
             messages = [to_message(t) for t in ex.turns]
             for k, turn in enumerate(ex.turns):
@@ -254,15 +265,21 @@ class TraceCollator:
                 hint = self.hint_generator(turn.tool_error, meta)
                 if hint is None:
                     continue
+                hinted = [*messages[:k], {"role": self.hint_role, "content": hint}]
+                sampled = ex.sampled_ids(turn)
+                if sampled is not None:
+                    before, ids = (self._checked(part, ex.trace_id) for part in sampled)
+                    exact.append(
+                        (_then(before, ids), _then(self._ids(self.render(hinted, generation_prompt=True)), ids))
+                    )
+                    continue
                 students.append(messages[: k + 1])
-                teachers.append([*messages[:k], {"role": self.hint_role, "content": hint}, messages[k]])
-        if not students:
-            return [], []
+                teachers.append([*hinted, messages[k]])
+        kept_s, kept_t = [], []
         texts = [self.render(m) for m in students + teachers]
         last_spans = [[self._spans(m, t)[-1]] for m, t in zip(students + teachers, texts)]
         encoded = self._encode_all(texts, last_spans)
-        kept_s, kept_t = [], []
-        for student, teacher in zip(encoded[: len(students)], encoded[len(students) :]):
+        for student, teacher in [*exact, *zip(encoded[: len(students)], encoded[len(students) :])]:
             same = np.array_equal(student.ids[student.mask], teacher.ids[teacher.mask])
             too_long = self.max_seq_len is not None and teacher.ids.size > self.max_seq_len
             if not same or too_long:
@@ -272,13 +289,28 @@ class TraceCollator:
             kept_t.append(teacher)
         return kept_s, kept_t
 
+    def _ids(self, text: str) -> np.ndarray:
+        return np.asarray(self._backend.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+
+    def _checked(self, ids: Sequence[int], where: str) -> np.ndarray:
+        """Ids a trace brings, refused (naming the trace) unless every one is in the vocabulary."""
+        out = np.asarray(ids, dtype=np.int64)
+        if out.size and (out.min() < 0 or out.max() >= len(self.tokenizer)):
+            raise ValueError(f"trace {where}: token ids outside the vocabulary of {len(self.tokenizer)}")
+        return out
+
     def _dpo(self, pairs: Iterable[Any], stats: CollateStats) -> tuple[list[Encoded], list[Encoded]]:
-        """Prompt through the template with a generation prompt; response tokens masked 1."""
-        texts, spans = [], []
+        """Prompt through the template with a generation prompt; response tokens masked 1.
+
+        A pair whose student turn was sampled keeps its exact ids: the rejected row is the ids
+        before the turn and the ids it sampled; the chosen row is the same ids before it and the
+        teachers' answer as the template renders it. Other pairs are rendered whole."""
+        texts, spans, rows = [], [], []
         for pair in pairs:
             pair = pair if isinstance(pair, Mapping) else pair.model_dump()
             state = [to_message(m) for m in pair["state_messages"]]
             prompt = self.render(state, generation_prompt=True)
+            replies = []
             for action in (pair["chosen"], pair["rejected"]):
                 full = self.render([*state, to_message(action)])
                 if not full.startswith(prompt):
@@ -286,11 +318,20 @@ class TraceCollator:
                         "the chat template does not render the pair's prompt as a prefix of prompt+response"
                     )
                 end = full.rfind(self.footer) + len(self.footer) if self.footer else len(full)
+                replies.append((full, end))
+            if pair.get("rejected_token_ids") is not None:
+                where = f"{pair['trace_id']} turn {pair['turn_index']}"
+                before = self._checked(pair["prompt_token_ids"], where)
+                (full, end), rejected = replies[0], self._checked(pair["rejected_token_ids"], where)
+                rows.append((_then(before, self._ids(full[len(prompt) : end])), _then(before, rejected)))
+                continue
+            rows.append(None)
+            for full, end in replies:
                 texts.append(full)
                 spans.append([(len(prompt), end)])
-        encoded = self._encode_all(texts, spans)
+        encoded = iter(self._encode_all(texts, spans))
         chosen, rejected = [], []
-        for c, r in zip(encoded[0::2], encoded[1::2]):
+        for c, r in (row or (next(encoded), next(encoded)) for row in rows):
             if self.max_seq_len is not None and max(c.ids.size, r.ids.size) > self.max_seq_len:
                 stats.dpo_dropped += 1
                 continue

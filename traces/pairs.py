@@ -8,11 +8,15 @@ one JSON object per line (`DpoPair.to_json()`):
     {"trace_id", "turn_index", "state_messages": [turn, ...],
      "chosen": {"role": "assistant", "content", "tool_calls"?},
      "rejected": {"role": "assistant", "content", "tool_calls"?},
-     "n_teachers_agreeing", "teachers": [name, ...], "n_teachers"}
+     "n_teachers_agreeing", "teachers": [name, ...], "n_teachers",
+     "prompt_token_ids"?, "rejected_token_ids"?}
 
 Turns are the schema's `Turn` dumped without None fields; `chosen` and `rejected` keep
 only the action (content and tool calls), none of a turn's annotations. `teachers` are
 the agreeing teachers' names, sorted; `n_teachers` counts the teachers that answered.
+When the student's turn was sampled by the policy (a rollout), the pair also keeps the exact
+ids before that turn and the ids it sampled: the rejected row is those ids, not a re-rendering
+of the parsed action (which would push down a string the policy never wrote).
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ class ReplayState(BaseModel):
     turn_index: int
     state_messages: list[dict[str, Any]]
     student_action: Turn
+    prompt_token_ids: list[int] | None = None  # sampled turns: the exact ids before it
+    student_token_ids: list[int] | None = None  # sampled turns: the ids the policy sampled
 
 
 class DpoPair(BaseModel):
@@ -52,6 +58,8 @@ class DpoPair(BaseModel):
     n_teachers_agreeing: int
     teachers: list[str]
     n_teachers: int
+    prompt_token_ids: list[int] | None = None
+    rejected_token_ids: list[int] | None = None
 
     def to_json(self) -> str:
         return self.model_dump_json()
@@ -101,17 +109,24 @@ def _action_dict(turn: Turn) -> dict[str, Any]:
 
 
 def trace_states(example: TraceExample) -> list[ReplayState]:
-    """One state per assistant turn, its messages being every turn before it."""
-    return [
-        ReplayState(
-            trace_id=example.trace_id,
-            turn_index=index,
-            state_messages=[t.model_dump(exclude_none=True) for t in example.turns[:index]],
-            student_action=turn,
+    """One state per assistant turn, its messages being every turn before it (and, for a sampled
+    turn, the exact ids before it and the ids it sampled)."""
+    states = []
+    for index, turn in enumerate(example.turns):
+        if turn.role != "assistant":
+            continue
+        prompt_ids, sampled = example.sampled_ids(turn) or (None, None)
+        states.append(
+            ReplayState(
+                trace_id=example.trace_id,
+                turn_index=index,
+                state_messages=[t.model_dump(exclude_none=True, exclude={"token_span"}) for t in example.turns[:index]],
+                student_action=turn,
+                prompt_token_ids=prompt_ids,
+                student_token_ids=sampled,
+            )
         )
-        for index, turn in enumerate(example.turns)
-        if turn.role == "assistant"
-    ]
+    return states
 
 
 def mine_pairs(state: ReplayState, teacher_actions: Mapping[str, Action | None], min_agree: int) -> DpoPair | None:
@@ -145,4 +160,6 @@ def mine_pairs(state: ReplayState, teacher_actions: Mapping[str, Action | None],
         n_teachers_agreeing=len(members),
         teachers=sorted(name for name, _ in members),
         n_teachers=sum(len(m) for m in groups.values()),
+        prompt_token_ids=state.prompt_token_ids,
+        rejected_token_ids=state.student_token_ids,
     )
