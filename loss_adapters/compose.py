@@ -130,6 +130,18 @@ def reference_sums(ref_model: nn.Module, batch: dict[str, Tensor], chunk_size: i
     return sums
 
 
+def reference_logprobs(
+    ref_model: nn.Module, batch: dict[str, Tensor], chunk_size: int, temperature: float
+) -> dict[str, Tensor]:
+    """The frozen reference's per-token logprobs of the RL rows, under the sampler's temperature as
+    the policy's are scored, under the key (`ref_logprobs`) ref_kl reads."""
+    with torch.no_grad():
+        ref = sequence_token_logprobs(
+            ref_model, batch["input_ids"], chunk_size, temperature, **_forward_kwargs(batch, "")
+        )
+    return {"ref_logprobs": ref}
+
+
 def _replay_channel(
     model: nn.Module, batch: dict[str, Tensor], ref_model: nn.Module | None, config: LossConfig, chunk_size: int
 ) -> tuple[Tensor, dict[str, Tensor]]:

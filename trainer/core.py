@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from meshrl.configs.schema import RefKlLoss, RunConfig
-from meshrl.loss_adapters.compose import REPLAY_KEYS, compose_loss, reference_sums, rl_loss_fn
+from meshrl.loss_adapters.compose import REPLAY_KEYS, compose_loss, reference_logprobs, reference_sums, rl_loss_fn
 from meshrl.loss_adapters.logprobs import sequence_token_logprobs
 from meshrl.trainer.checkpoint import CheckpointWriter, TrainerState, own_copy, write_checkpoint
 
@@ -223,13 +223,10 @@ class TrainerCore:
         chunk_size = self.config.model.logprob_chunk_size
         if self.ref_kl and "input_ids" in batch and "ref_logprobs" not in batch:
             temperature = self.config.generator.temperature
-            kwargs = {k: batch[k] for k in ("attention_mask", "position_ids") if k in batch}
-            with torch.no_grad():
-                (ref,) = self.ref_call(
-                    lambda model, ids: (sequence_token_logprobs(model, ids, chunk_size, temperature, **kwargs),),
-                    batch["input_ids"],
-                )
-            batch = {**batch, "ref_logprobs": ref}
+            (ref,) = self.ref_call(
+                lambda model, batch: (reference_logprobs(model, batch, chunk_size, temperature),), batch
+            )
+            batch = {**batch, **ref}
         if all(k in batch for k in REPLAY_KEYS) and "dpo_ref_chosen_logprob" not in batch:
             (sums,) = self.ref_call(lambda model, batch: (reference_sums(model, batch, chunk_size),), batch)
             batch = {**batch, **sums}
