@@ -11,12 +11,11 @@ checkpoints, export and `vllm serve` treat like any other.
 from __future__ import annotations
 
 import importlib.util
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
+
+from meshrl.models.saved import ensure_model_dir
 
 PREFIX = "gguf:"
 
@@ -46,17 +45,12 @@ def gguf_file(path: str) -> Path:
 
 def ensure_gguf(path: str, directory: str | Path) -> Path:
     """Convert the GGUF file `path` names into an HF directory at `directory`, unless a complete
-    one is there; written into a temporary sibling and renamed (a crash leaves nothing that looks
-    complete)."""
-    directory = Path(directory)
-    if (directory / "config.json").exists() and (directory / "tokenizer.json").exists():
-        return directory
-    file = gguf_file(path)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    one is there (then the file need not be installed any more)."""
 
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-    try:
+    def build(tmp: Path) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        file = gguf_file(path)
         AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name).save_pretrained(tmp)
         loaded = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
         # transformers dequantizes every GGUF tensor to float32 but marks the model quantized and
@@ -67,9 +61,5 @@ def ensure_gguf(path: str, directory: str | Path) -> Path:
         model.load_state_dict(loaded.state_dict())
         model.generation_config = loaded.generation_config
         model.save_pretrained(tmp)
-        if directory.exists():
-            shutil.rmtree(directory)
-        os.replace(tmp, directory)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return directory
+
+    return ensure_model_dir(directory, build)

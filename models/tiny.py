@@ -9,9 +9,6 @@ back through the same `from_pretrained` path a real model takes.
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -28,6 +25,7 @@ from transformers import (
 )
 
 from meshrl.configs.schema import TinyModelConfig
+from meshrl.models.saved import ensure_model_dir
 
 FAMILIES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
@@ -169,27 +167,15 @@ def build_model(spec: TinyModelConfig, tokenizer: PreTrainedTokenizerFast, seed:
 
 
 def ensure_tiny(directory: str | Path, spec: TinyModelConfig | None = None, seed: int = 0) -> Path:
-    """Build and save the tiny model + tokenizer at `directory` unless a complete copy is there.
-
-    Written into a temporary sibling and renamed, so a crash never leaves a half-built model
-    that looks complete.
-    """
-    directory = Path(directory)
-    if (directory / "config.json").exists() and (directory / "tokenizer.json").exists():
-        return directory
+    """Build and save the tiny model + tokenizer at `directory` unless a complete copy is there."""
     spec = spec or TinyModelConfig()
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-    try:
+
+    def build(tmp: Path) -> None:
         tokenizer = build_tokenizer(spec.vocab_size, spec.chat_template)
         tokenizer.save_pretrained(tmp)
         build_model(spec, tokenizer, seed).save_pretrained(tmp)
-        if directory.exists():
-            shutil.rmtree(directory)
-        os.replace(tmp, directory)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return directory
+
+    return ensure_model_dir(directory, build)
 
 
 def load_tokenizer(directory: str | Path) -> PreTrainedTokenizerFast:
