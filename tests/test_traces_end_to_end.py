@@ -8,6 +8,7 @@ import json
 import random
 from pathlib import Path
 
+import pytest
 import torch
 
 from meshrl.configs import load_config
@@ -138,3 +139,7 @@ def test_replay_and_sdpo_rows_from_a_rollout_hold_its_sampled_ids():
     assert row(batch["sdpo_student_input_ids"][0], sdpo_mask) == (before, recovery)
     hinted, teacher_ids = row(batch["sdpo_teacher_input_ids"][0], sdpo_mask)
     assert teacher_ids == recovery and "Hint: the key is a." in tok.decode(hinted)
+    # ids a trace brings are not trusted: one outside the vocabulary is refused, naming the trace
+    forged = pair.model_copy(update={"rejected_token_ids": [*recovery, len(tok)]})
+    with pytest.raises(ValueError, match=f"trace {pair.trace_id} turn 4: token ids outside the vocabulary"):
+        collator([], pairs=[forged], rl=False)

@@ -292,12 +292,22 @@ class TraceCollator:
     def _ids(self, text: str) -> np.ndarray:
         return np.asarray(self._backend.encode(text, add_special_tokens=False).ids, dtype=np.int64)
 
-    def _checked(self, ids: Sequence[int], where: str) -> np.ndarray:
-        """Ids a trace brings, refused (naming the trace) unless every one is in the vocabulary."""
+    def _checked(self, ids: Sequence[int] | None, where: str) -> np.ndarray:
+        """Ids a trace brings, refused (naming the trace) unless there are some and every one is in
+        the vocabulary."""
+        if ids is None:
+            raise ValueError(f"trace {where}: sampled ids without the ids before them")
         out = np.asarray(ids, dtype=np.int64)
         if out.size and (out.min() < 0 or out.max() >= len(self.tokenizer)):
             raise ValueError(f"trace {where}: token ids outside the vocabulary of {len(self.tokenizer)}")
         return out
+
+    def _reply(self, state: list[dict[str, Any]], prompt: str, action: Mapping[str, Any]) -> tuple[str, int]:
+        """The state and `action` rendered, and where the action's end-of-turn marker ends."""
+        full = self.render([*state, to_message(action)])
+        if not full.startswith(prompt):
+            raise ValueError("the chat template does not render the pair's prompt as a prefix of prompt+response")
+        return full, full.rfind(self.footer) + len(self.footer) if self.footer else len(full)
 
     def _dpo(self, pairs: Iterable[Any], stats: CollateStats) -> tuple[list[Encoded], list[Encoded]]:
         """Prompt through the template with a generation prompt; response tokens masked 1.
@@ -310,23 +320,18 @@ class TraceCollator:
             pair = pair if isinstance(pair, Mapping) else pair.model_dump()
             state = [to_message(m) for m in pair["state_messages"]]
             prompt = self.render(state, generation_prompt=True)
-            replies = []
-            for action in (pair["chosen"], pair["rejected"]):
-                full = self.render([*state, to_message(action)])
-                if not full.startswith(prompt):
-                    raise ValueError(
-                        "the chat template does not render the pair's prompt as a prefix of prompt+response"
-                    )
-                end = full.rfind(self.footer) + len(self.footer) if self.footer else len(full)
-                replies.append((full, end))
-            if pair.get("rejected_token_ids") is not None:
+            if pair.get("rejected_token_ids") is not None:  # the student's turn is rendered by no one
                 where = f"{pair['trace_id']} turn {pair['turn_index']}"
                 before = self._checked(pair["prompt_token_ids"], where)
-                (full, end), rejected = replies[0], self._checked(pair["rejected_token_ids"], where)
-                rows.append((_then(before, self._ids(full[len(prompt) : end])), _then(before, rejected)))
+                chosen_text, end = self._reply(state, prompt, pair["chosen"])
+                chosen_ids = self._ids(chosen_text[len(prompt) : end])
+                rows.append(
+                    (_then(before, chosen_ids), _then(before, self._checked(pair["rejected_token_ids"], where)))
+                )
                 continue
             rows.append(None)
-            for full, end in replies:
+            for action in (pair["chosen"], pair["rejected"]):
+                full, end = self._reply(state, prompt, action)
                 texts.append(full)
                 spans.append([(len(prompt), end)])
         encoded = iter(self._encode_all(texts, spans))
