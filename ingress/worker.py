@@ -16,7 +16,9 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -51,6 +53,9 @@ def write_model_dir(spec: Spec, weights: dict[str, torch.Tensor], directory: Pat
     return directory
 
 
+print_now = partial(print, flush=True)  # a worker's log is tailed (by people, by tests): each line as it happens
+
+
 class RolloutWorker:
     def __init__(
         self,
@@ -59,7 +64,7 @@ class RolloutWorker:
         max_groups: int = 2,
         max_episodes: int = 16,
         max_tokens: int = 65536,
-        log=print,
+        log: Callable[[str], None] = print_now,
     ) -> None:
         self.client, self.max_groups, self.log = client, max_groups, log
         self.max_episodes, self.max_tokens = max_episodes, max_tokens
