@@ -177,12 +177,16 @@ def _at_least_fp32(logits: Tensor) -> Tensor:
     return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
+def sdpo_targets(batch: dict[str, Tensor]) -> Tensor:
+    """Where SDPO's loss lives: position t-1 of each row predicts recovery token t (B, T-1, bool)."""
+    return batch["sdpo_loss_mask"][:, 1:] != -100
+
+
 def _sdpo_channel(model: nn.Module, batch: dict[str, Tensor], config: LossConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """JSD between hint-free (student) and hint-conditioned (teacher, no grad) next-token
     distributions, only at recovery tokens: logits exist for those N positions alone."""
     channel = config.sdpo
-    labels = batch["sdpo_loss_mask"][:, 1:]  # position t-1 predicts token t
-    rows, cols = torch.nonzero(labels != -100, as_tuple=True)
+    rows, cols = torch.nonzero(sdpo_targets(batch), as_tuple=True)
     weight = lm_head_weight(model)
     student = hidden_states(model, batch["sdpo_student_input_ids"], **_forward_kwargs(batch, "sdpo_student_"))
     with torch.no_grad():
@@ -231,7 +235,7 @@ def compose_loss(
         total = config.replay.weight * replay if total is None else total + config.replay.weight * replay
         metrics.update(replay_metrics)
         metrics["loss/replay"] = replay.detach()
-    if config.sdpo.weight > 0 and all(k in batch for k in SDPO_KEYS) and (batch["sdpo_loss_mask"][:, 1:] != -100).any():
+    if config.sdpo.weight > 0 and all(k in batch for k in SDPO_KEYS) and sdpo_targets(batch).any():
         sdpo, sdpo_metrics = _sdpo_channel(model, batch, config)
         total = config.sdpo.weight * sdpo if total is None else total + config.sdpo.weight * sdpo
         metrics.update(sdpo_metrics)

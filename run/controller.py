@@ -32,7 +32,7 @@ from meshrl.actors.generator import GeneratorActor
 from meshrl.actors.teacher import TeacherActor, TeacherAnswers
 from meshrl.actors.trainer import TrainerActor
 from meshrl.configs.loader import ConfigError, to_toml
-from meshrl.configs.schema import RunConfig
+from meshrl.configs.schema import RefKlLoss, RunConfig
 from meshrl.ingress.protocol import Spec
 from meshrl.ingress.server import IngressServer, model_files
 from meshrl.ingress.verify import Scorer, Verifier
@@ -649,7 +649,7 @@ class Controller:
 
             advantages = group_advantages(fresh)
             rl = rl_shards(fresh, advantages, cfg.trainer.micro_batch_tokens, self.tokenizer.pad_token_id, world,
-                           keep_zero_advantage=cfg.loss.type == "ref_kl")  # fmt: skip
+                           keep_zero_advantage=isinstance(cfg.loss, RefKlLoss))  # fmt: skip
             pairs = self.pairs if cfg.loss.replay.weight > 0 else []  # a channel at weight 0 gets no rows
             aux = aux_shards(fresh, pairs, self.collator, world, cfg.loss.sdpo.max_traces_per_step)
             replay_pairs = len(self.pairs)

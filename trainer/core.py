@@ -40,7 +40,14 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from meshrl.configs.schema import RefKlLoss, RunConfig
-from meshrl.loss_adapters.compose import REPLAY_KEYS, compose_loss, reference_logprobs, reference_sums, rl_loss_fn
+from meshrl.loss_adapters.compose import (
+    REPLAY_KEYS,
+    compose_loss,
+    reference_logprobs,
+    reference_sums,
+    rl_loss_fn,
+    sdpo_targets,
+)
 from meshrl.loss_adapters.logprobs import sequence_token_logprobs
 from meshrl.trainer.checkpoint import CheckpointWriter, TrainerState, own_copy, write_checkpoint
 
@@ -121,7 +128,7 @@ def _aux_count(channel: str, batch: dict[str, Any]) -> int:
     """What a channel's loss is a mean over: pairs (`dpo_`) or recovery tokens (`sdpo_`)."""
     if channel == "dpo_":
         return len(batch["dpo_chosen_input_ids"])
-    return int((batch["sdpo_loss_mask"][:, 1:] != -100).sum())
+    return int(sdpo_targets(batch).sum())
 
 
 class TrainerCore:
