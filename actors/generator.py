@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 from meshrl.configs.schema import RunConfig
 from meshrl.inference.backends import make_engine
 from meshrl.inference.weights import WeightLayout, unflatten_weights
+from meshrl.rollouts.chat import ChatSettings
 from meshrl.rollouts.episodes import EpisodeFormat
 from meshrl.rollouts.scheduler import EpisodeScheduler, FinishedGroup, GroupRequest, Sampling
 from meshrl.tasks.base import make_task
@@ -34,9 +35,8 @@ class GeneratorActor(Actor):
         if proc_device(config.topology, "generator", self.rank).type == "cpu":  # also refuses GPUs the host lacks
             torch.set_num_threads(cpu_threads(config.topology))
         engine = make_engine(g.backend, model_path, config.model.dtype, gpus)
-        episodes = EpisodeFormat(
-            AutoTokenizer.from_pretrained(model_path), make_task(config.task), config.model.tool_parser
-        )
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        episodes = EpisodeFormat(tokenizer, make_task(config.task), ChatSettings.of(config.model, tokenizer))
         self.scheduler = EpisodeScheduler(
             engine, episodes, Sampling(g.temperature, g.top_p, g.max_new_tokens),
             max_episodes=g.max_concurrent_episodes, max_tokens=g.max_concurrent_tokens,

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # Fields holding user dicts (passed to user functions): their keys are kept verbatim.
-FREE_FORM = frozenset({"kwargs"})
+FREE_FORM = frozenset({"kwargs", "chat_template_kwargs"})
 
 
 def _no_nulls(value: Any, key: str = "kwargs") -> Any:
@@ -90,11 +90,35 @@ class ModelConfig(Section):
     logprob_chunk_size: int = Field(
         1024, ge=16, description="Tokens per LM-head chunk when computing logprobs (bounds the logits memory)."
     )
+    renderer: str = Field(
+        "auto",
+        description="Message <-> token conversion: a `renderers` renderer (qwen3, llama-3, deepseek-r1, ...), "
+        "'template' (the model's chat template with tool_parser; refused at start-up unless it renders tool "
+        "turns prefix by prefix), or 'auto' (the renderer `renderers` maps the model's name to, else 'template').",
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Chat-template options for the renderer or the template, e.g. enable_thinking = false (Qwen3).",
+    )
     tool_parser: ToolParserName = Field(
         "hermes",
-        description="How sampled turns become tool calls: hermes (Hermes/Qwen <tool_call> JSON; tiny is the same "
-        "form), llama3 (JSON calls, <|python_tag|>), mistral ([TOOL_CALLS]).",
+        description="With renderer 'template': how sampled turns become tool calls: hermes (Hermes/Qwen <tool_call> "
+        "JSON; tiny is the same form), llama3 (JSON calls, <|python_tag|>), mistral ([TOOL_CALLS]).",
     )
+
+    _template_kwargs_have_no_nulls = field_validator("chat_template_kwargs")(_no_nulls)
+
+    @field_validator("renderer")
+    @classmethod
+    def _known_renderer(cls, name: str) -> str:
+        if name in ("auto", "template"):
+            return name
+        if name == "default":
+            raise ValueError("'default' (renderers' apply_chat_template fallback) is what 'template' does here")
+        from renderers import config_from_name
+
+        config_from_name(name)  # its ValueError lists the known names
+        return name
 
 
 # --------------------------------------------------------------------------- topology

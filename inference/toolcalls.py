@@ -33,7 +33,9 @@ class ParsedTurn(NamedTuple):
     tool_calls: list[dict[str, Any]]  # OpenAI form, ids call_0, call_1, ...
 
 
-def _call(index: int, parsed: Any, arguments_key: str = "arguments") -> dict[str, Any]:
+def tool_call(index: int, parsed: Any, arguments_key: str = "arguments") -> dict[str, Any]:
+    """One parsed call in OpenAI form (id `call_<index>`); `<malformed>` unless `parsed` is a dict
+    with a string name and object arguments (a JSON string of one is accepted)."""
     arguments = parsed.get(arguments_key) if isinstance(parsed, dict) else None
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
@@ -58,7 +60,7 @@ _HERMES_BLOCK = re.compile(r"\n?<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 def parse_hermes(text: str) -> ParsedTurn:
     blocks = list(_HERMES_BLOCK.finditer(text))
     content = text[: blocks[0].start()] if blocks else text
-    return ParsedTurn(content, [_call(i, _loads(block.group(1))) for i, block in enumerate(blocks)])
+    return ParsedTurn(content, [tool_call(i, _loads(block.group(1))) for i, block in enumerate(blocks)])
 
 
 _PYTHON_TAG = "<|python_tag|>"
@@ -69,16 +71,16 @@ def parse_llama3(text: str) -> ParsedTurn:
     tagged = body.startswith(_PYTHON_TAG)
     body = body.removeprefix(_PYTHON_TAG).strip()
     if not body.startswith("{"):
-        return ParsedTurn("", [_call(0, None)]) if tagged else ParsedTurn(text, [])
+        return ParsedTurn("", [tool_call(0, None)]) if tagged else ParsedTurn(text, [])
     calls, decoder, rest = [], json.JSONDecoder(), body
     while rest:
         try:
             parsed, end = decoder.raw_decode(rest)
         except ValueError:
-            calls.append(_call(len(calls), None))
+            calls.append(tool_call(len(calls), None))
             break
         key = "parameters" if isinstance(parsed, dict) and "parameters" in parsed else "arguments"
-        calls.append(_call(len(calls), parsed, key))
+        calls.append(tool_call(len(calls), parsed, key))
         rest = rest[end:].lstrip()
         if not rest.startswith(";"):
             break
@@ -100,13 +102,27 @@ def parse_mistral(text: str) -> ParsedTurn:
         except ValueError:
             parsed = None
         items = parsed if isinstance(parsed, list) and parsed else [None]
-        return ParsedTurn(content.rstrip(), [_call(i, item) for i, item in enumerate(items)])
+        return ParsedTurn(content.rstrip(), [tool_call(i, item) for i, item in enumerate(items)])
     calls = []  # v11+: name[ARGS]{...}, repeated after further [TOOL_CALLS]
     for chunk in rest.split(_MISTRAL_CALLS):
         name, found, arguments = chunk.partition(_MISTRAL_ARGS)
         parsed = {"name": name.strip(), "arguments": _loads(arguments.strip())} if found else None
-        calls.append(_call(len(calls), parsed))
+        calls.append(tool_call(len(calls), parsed))
     return ParsedTurn(content.rstrip(), calls)
+
+
+REASONING = re.compile(r"<think>.*?(?:</think>|$)", re.DOTALL)
+
+
+def split_reasoning(content: str) -> tuple[str | None, str]:
+    """(the reasoning, the content after it) of a turn that opens with `<think>` (an unclosed one
+    runs to the end); (None, content) for a turn without."""
+    stripped = content.lstrip()
+    found = REASONING.match(stripped)
+    if not found:
+        return None, content
+    reasoning = found.group(0).removeprefix("<think>").removesuffix("</think>").strip("\n")
+    return reasoning, stripped[found.end() :].lstrip("\n")
 
 
 class ToolParser(NamedTuple):

@@ -29,6 +29,7 @@ from meshrl.configs.schema import TaskConfig
 from meshrl.inference.backends import make_engine
 from meshrl.ingress.client import Cancelled, IngressError, Refused, RolloutClient, to_episode
 from meshrl.ingress.protocol import GroupResult, Spec
+from meshrl.rollouts.chat import ChatSettings
 from meshrl.rollouts.episodes import EpisodeFormat
 from meshrl.rollouts.scheduler import EpisodeScheduler, GroupRequest, Sampling
 from meshrl.tasks.base import Prompt, make_task
@@ -85,7 +86,8 @@ class RolloutWorker:
         engine = make_engine(backend, str(path), spec.dtype, gpus)
         engine.load_weights(weights, version)
         task = make_task(TaskConfig(import_path=spec.task_import_path, kwargs=spec.task_kwargs))
-        episodes = EpisodeFormat(AutoTokenizer.from_pretrained(str(path)), task, spec.tool_parser)
+        chat = ChatSettings(spec.renderer, spec.tool_parser, spec.chat_template_kwargs)
+        episodes = EpisodeFormat(AutoTokenizer.from_pretrained(str(path)), task, chat)
         sampling = Sampling(spec.temperature, spec.top_p, spec.max_new_tokens)
         self.scheduler = EpisodeScheduler(
             engine, episodes, sampling, max_episodes=self.max_episodes, max_tokens=self.max_tokens

@@ -14,9 +14,8 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from meshrl.inference.completion import Completion
-from meshrl.inference.toolcalls import decode_turn
+from meshrl.rollouts.chat import ChatSettings, make_chat
 from meshrl.tasks.base import Ending, Prompt, Score, Scoring, Stopping, Task, ToolResult, task_tools
-from meshrl.traces.collator import TraceCollator
 
 
 @dataclass
@@ -46,6 +45,16 @@ def fresh_rollouts(rollouts: list[Rollout], step: int, max_off_policy_steps: int
     return [r for r in rollouts if step - r.version <= max_off_policy_steps]
 
 
+def _last_turn_length(loss_mask: list[bool]) -> int:
+    """How many ids the last sampled turn has (the run of sampled ids the mask ends with)."""
+    count = 0
+    for sampled in reversed(loss_mask):
+        if not sampled:
+            break
+        count += 1
+    return count
+
+
 def rubric_means(rollouts: list[Rollout]) -> dict[str, float]:
     """Each rubric part's mean over the rollouts that carry it: `rubric/<component>`, `task_metric/<metric>`."""
     values: dict[str, list[float]] = {}
@@ -59,47 +68,38 @@ def rubric_means(rollouts: list[Rollout]) -> dict[str, float]:
 
 
 class EpisodeFormat:
-    """How an episode's turns become token ids under the policy's chat template.
+    """How an episode's turns become token ids under the policy's chat format (`rollouts.chat`).
 
     The schedulers (per-episode in `rollouts.scheduler`, lock-step in the benchmark) share it,
     so both build the same rollouts from the same completions.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, task: Task, tool_parser: str = "hermes") -> None:
-        self.tokenizer, self.task, self.tool_parser = tokenizer, task, tool_parser
-        self.tools = task_tools(task)  # rendered by the chat template (e.g. Hermes' system turn)
-        self.footer = TraceCollator(tokenizer, tools=self.tools).footer  # the end-of-turn marker the engine stops on
-        self.stop_ids = [tokenizer.convert_tokens_to_ids(self.footer)] if self.footer else []
-
-    def _render(self, messages: list[dict[str, Any]], generation_prompt: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tools=self.tools, tokenize=False, add_generation_prompt=generation_prompt
-        )
-
-    def _ids(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, task: Task, settings: ChatSettings | None = None) -> None:
+        self.tokenizer, self.task = tokenizer, task
+        self.settings = settings or ChatSettings()
+        self.tools = task_tools(task)  # rendered by the chat format (e.g. Hermes' system turn)
+        self.chat = make_chat(tokenizer, self.settings, self.tools)
+        self.stop_ids = self.chat.stop_ids
+        self.footer = tokenizer.convert_ids_to_tokens(self.stop_ids[0]) if self.stop_ids else ""  # end of a turn
 
     def start(self, prompt: Prompt) -> Rollout:
         """A rollout holding the templated prompt, ready for its first assistant turn."""
-        ids = self._ids(self._render(prompt.messages, generation_prompt=True))
+        ids = self.chat.prompt_ids(prompt.messages)
         return Rollout(prompt, [dict(m) for m in prompt.messages], ids, [False] * len(ids), [0.0] * len(ids), [])
 
     def add_turn(self, rollout: Rollout, completion: Completion) -> list[dict[str, Any]]:
         """Append a sampled assistant turn; returns its tool calls (none when it was cut by length).
 
         Calls of the task's last turn are still answered, so the reward sees their results."""
+        message = self.chat.parse(rollout.token_ids, completion.completion_ids)
         rollout.turns += 1
         rollout.token_ids += completion.completion_ids
         rollout.loss_mask += [True] * len(completion.completion_ids)
         rollout.logprobs += completion.logprobs
         rollout.versions += completion.versions
         rollout.finish_reason = completion.finish_reason
-        content, calls = decode_turn(self.tokenizer, completion.completion_ids, self.tool_parser)
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = calls
         rollout.messages.append(message)
-        return calls if completion.finish_reason == "stop" else []
+        return message.get("tool_calls", []) if completion.finish_reason == "stop" else []
 
     def goes_on(self, rollout: Rollout, calls: list[dict[str, Any]]) -> bool:
         """Whether another assistant turn follows the one just added (and its tool results);
@@ -124,21 +124,15 @@ class EpisodeFormat:
             rollout.tool_errors += result.is_error
             tool_messages.append({"role": "tool", "content": result.content, "tool_call_id": call["id"],
                                   "is_error": result.is_error})  # fmt: skip
-        ids = self._tool_turn_ids(rollout.messages, tool_messages)
+        split = len(rollout.token_ids) - _last_turn_length(rollout.loss_mask)
+        ids = self.chat.tool_turn_ids(
+            rollout.token_ids[:split], rollout.token_ids[split:], rollout.messages, tool_messages
+        )
         rollout.token_ids += ids
         rollout.loss_mask += [False] * len(ids)
         rollout.logprobs += [0.0] * len(ids)
         rollout.messages += tool_messages
         return ids
-
-    def _tool_turn_ids(self, messages: list[dict[str, Any]], tool_messages: list[dict[str, Any]]) -> list[int]:
-        """Tokens between the sampled end-of-turn and the next assistant turn's first sampled token."""
-        before = self._render(messages)
-        after = self._render(messages + tool_messages, generation_prompt=True)
-        if not after.startswith(before):
-            raise ValueError("the chat template does not render tool turns as an extension of the conversation")
-        tail = before[before.rfind(self.footer) + len(self.footer) :] if self.footer else ""
-        return self._ids(tail + after[len(before) :])
 
     def score(self, rollout: Rollout) -> None:
         if isinstance(self.task, Scoring):

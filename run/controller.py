@@ -40,6 +40,7 @@ from meshrl.models.gguf import ensure_gguf, is_gguf
 from meshrl.models.tiny import ensure_tiny
 from meshrl.rollouts.advantages import group_advantages
 from meshrl.rollouts.batches import aux_shards, rl_shards, rollout_trace
+from meshrl.rollouts.chat import ChatSettings
 from meshrl.rollouts.episodes import EpisodeFormat, Rollout, fresh_rollouts, rubric_means
 from meshrl.rollouts.scheduler import FinishedGroup, GroupRequest
 from meshrl.run.evaluate import BackgroundEval
@@ -134,9 +135,12 @@ class Controller:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.task = make_task(config.task)
         hint = getattr(self.task, "hint", None)
+        self.chat = ChatSettings.of(config.model, self.tokenizer)
+        EpisodeFormat(self.tokenizer, self.task, self.chat)  # a chat format that would fail mid-run is refused here
         self.collator = TraceCollator(
-            self.tokenizer, hint_generator=hint if config.loss.sdpo.weight > 0 else None, tools=task_tools(self.task)
-        )
+            self.tokenizer, hint_generator=hint if config.loss.sdpo.weight > 0 else None, tools=task_tools(self.task),
+            template_kwargs=self.chat.template_kwargs,
+        )  # fmt: skip
         self.data_rng = random.Random(config.seed)  # prompts
         self.seed_rng = random.Random(config.seed + 1)  # generator sampling seeds
         self.teacher_rng = random.Random(config.seed + 3)  # offline states for the teachers
@@ -198,12 +202,13 @@ class Controller:
         spec = Spec(
             task_import_path=cfg.task.import_path, task_kwargs=cfg.task.kwargs, temperature=g.temperature,
             top_p=g.top_p, max_new_tokens=g.max_new_tokens, dtype=cfg.model.dtype,
-            tool_parser=cfg.model.tool_parser, model_files=model_files(self.model_path),
+            renderer=self.chat.renderer, tool_parser=self.chat.tool_parser,
+            chat_template_kwargs=self.chat.template_kwargs, model_files=model_files(self.model_path),
         )  # fmt: skip
         holder: list[IngressServer] = []
         scorer = Scorer(self.model_path, cfg.model.dtype, g.temperature, lambda v: holder[0].weights_path(v))
         verifier = Verifier(
-            EpisodeFormat(self.tokenizer, make_task(cfg.task), cfg.model.tool_parser), scorer,
+            EpisodeFormat(self.tokenizer, make_task(cfg.task), self.chat), scorer,
             max_new_tokens=g.max_new_tokens,
             fraction=cfg.ingress.verify_fraction, tolerance=cfg.ingress.verify_tolerance,
         )  # fmt: skip

@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 
 from meshrl.configs.schema import RunConfig
 from meshrl.inference.backends import make_engine
+from meshrl.rollouts.chat import ChatSettings
 from meshrl.rollouts.episodes import EpisodeFormat
 from meshrl.rollouts.evaluation import EvalPlan, EvalResult, eval_prompts, evaluate
 from meshrl.rollouts.scheduler import Sampling
@@ -51,7 +52,8 @@ def plan_for(config: RunConfig) -> EvalPlan:
 
 
 def _episodes(config: RunConfig, path: str | Path) -> EpisodeFormat:
-    return EpisodeFormat(AutoTokenizer.from_pretrained(path), make_task(config.task), config.model.tool_parser)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return EpisodeFormat(tokenizer, make_task(config.task), ChatSettings.of(config.model, tokenizer))
 
 
 def evaluate_checkpoint(config: RunConfig, checkpoint: str | Path, out: Path | None = None) -> EvalResult:

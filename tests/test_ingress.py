@@ -99,7 +99,7 @@ def make_harness(root: Path, spec: TinyModelConfig, dtype: str, temperature: flo
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     spec_msg = Spec(
         task_import_path=TASK.import_path, task_kwargs=TASK.kwargs, temperature=temperature, top_p=1.0,
-        max_new_tokens=MAX_NEW, dtype=dtype, tool_parser="hermes", model_files=model_files(model),
+        max_new_tokens=MAX_NEW, dtype=dtype, renderer="template", tool_parser="hermes", chat_template_kwargs={}, model_files=model_files(model),
     )  # fmt: skip
     holder: list[IngressServer] = []
     scorer = Scorer(str(model), dtype, temperature, lambda v: holder[0].weights_path(v))

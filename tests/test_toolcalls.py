@@ -103,7 +103,7 @@ def test_tool_schemas_reach_the_prompt_and_the_collator_renders_what_was_sampled
     """Hermes template: the task's schemas are in the rollout's system turn, and the collator (with
     the task's tools) renders the finished episode to exactly the ids the policy saw."""
     tok, task = build_tokenizer(512, "hermes"), ToolTask()
-    episodes = EpisodeFormat(tok, task, "hermes")
+    episodes = EpisodeFormat(tok, task)
     (prompt,) = task.sample_prompts(random.Random(0), 1)
     rollout = episodes.start(prompt)
     text = tok.decode(rollout.token_ids)

@@ -69,7 +69,7 @@ def test_rubric_components_stop_hooks_and_the_episode_format(single):
     """The v1 rubric scores the episode meshrl ran: reward = weighted sum, components and metrics
     kept; the task's @vf.stop (one turn) ends an episode that still calls tools."""
     tok = build_tokenizer(512, "hermes")
-    episodes = EpisodeFormat(tok, single, "hermes")
+    episodes = EpisodeFormat(tok, single)
     (prompt,) = single.sample_prompts(random.Random(3), 1)
     answer = {"What is 2+3?": "5", "What is 4+4?": "8"}[prompt.messages[1]["content"]]
     rollout = episodes.start(prompt)
@@ -109,7 +109,7 @@ def test_mcp_tools_reach_the_template_and_run_in_an_episode(calc):
             "required": ["a", "b"], "title": "addArguments", "type": "object"}}}
     ]  # fmt: skip
     tok = build_tokenizer(512, "hermes")
-    episodes = EpisodeFormat(tok, calc, "hermes")
+    episodes = EpisodeFormat(tok, calc)
     prompt = next(p for p in calc.sample_prompts(random.Random(0), 10) if "17+25" in p.messages[0]["content"])
     rollout = episodes.start(prompt)
     assert '"name": "calc_add"' in tok.decode(rollout.token_ids)
@@ -135,7 +135,7 @@ def test_results_of_the_last_turns_calls_are_not_scored():
     so neither does the trace its rubric scores (`used_tool` stays 0 here, as it would there)."""
     one_turn = VerifiersTask("vf_calc", max_turns=1)
     tok = build_tokenizer(512, "hermes")
-    episodes = EpisodeFormat(tok, one_turn, "hermes")
+    episodes = EpisodeFormat(tok, one_turn)
     prompt = next(p for p in one_turn.sample_prompts(random.Random(0), 10) if "17+25" in p.messages[0]["content"])
     rollout = episodes.start(prompt)
     call = '<tool_call>\n{"name": "calc_add", "arguments": {"a": 17, "b": 25}}\n</tool_call><|im_end|>'

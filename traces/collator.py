@@ -39,6 +39,8 @@ def to_message(turn: Turn | Mapping[str, Any]) -> dict[str, Any]:
     """A trace turn as an OpenAI-style chat message, the form chat templates expect."""
     turn = turn if isinstance(turn, Turn) else Turn.model_validate(turn)
     message: dict[str, Any] = {"role": turn.role, "content": turn.content}
+    if turn.reasoning_content is not None:
+        message["reasoning_content"] = turn.reasoning_content
     if turn.tool_calls:
         message["tool_calls"] = [
             {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
@@ -98,6 +100,7 @@ class TraceCollator:
         pack_tokens: int | None = None,
         hint_role: str = "user",
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         if tokenizer.chat_template is None:
             raise ValueError("the tokenizer has no chat template; TraceCollator needs one")
@@ -114,13 +117,14 @@ class TraceCollator:
         self.pack_tokens = pack_tokens
         self.hint_role = hint_role
         self.tools = tools
+        self.template_kwargs = dict(template_kwargs or {})
         self.header, self.footer = self._learn_turn_markers()
 
     # ------------------------------------------------------------------ rendering and spans
 
     def render(self, messages: list[dict[str, Any]], generation_prompt: bool = False) -> str:
         return self.tokenizer.apply_chat_template(
-            messages, tools=self.tools, tokenize=False, add_generation_prompt=generation_prompt
+            messages, tools=self.tools, tokenize=False, add_generation_prompt=generation_prompt, **self.template_kwargs
         )
 
     def _learn_turn_markers(self) -> tuple[str, str]:

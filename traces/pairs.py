@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from meshrl.inference.toolcalls import REASONING
 from meshrl.traces.schema import TraceExample, Turn
 
 Action = Turn | Mapping[str, Any]
@@ -83,9 +83,6 @@ def _canonical(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [_canonical(item) for item in value]
     return value
-
-
-REASONING = re.compile(r"<think>.*?(</think>|$)", re.DOTALL)
 
 
 def normalize_action(turn: Action) -> str:

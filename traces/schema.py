@@ -1,6 +1,6 @@
 """The trace-example schema every ingester writes and the collator reads (one JSON object per line).
 
-    {"trace_id", "source", "turns": [{"role", "content", "tool_calls"?, "tool_call_id"?,
+    {"trace_id", "source", "turns": [{"role", "content", "reasoning_content"?, "tool_calls"?, "tool_call_id"?,
      "is_error"?, "tool_error"?, "error_meta"?, "token_span"?}], "final_reward", "token_ids"?}
 
 Roles: system, user, assistant (its tool calls are part of its action), tool (a tool
@@ -46,6 +46,9 @@ class ErrorMeta(_Strict):
 class Turn(_Strict):
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
+    reasoning_content: str | None = Field(
+        None, description="Assistant turns: the reasoning before the answer (shown to rubrics, not part of the action)."
+    )
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = Field(None, description="Tool turns: the call this result answers.")
     is_error: bool | None = Field(None, description="Tool turns: the tool reported an error.")

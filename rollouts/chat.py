@@ -1,0 +1,192 @@
+"""How an episode's messages and sampled ids convert under the policy's chat format.
+
+Two paths, chosen once per run (`model.renderer`):
+
+- a `renderers` renderer (Prime Intellect's message <-> token package, one object per template
+  family): it parses a completion into content, reasoning and tool calls, and extends a rollout by
+  a tool turn's tokens without re-rendering what was sampled (`bridge_to_next_turn`), so it serves
+  templates that are not prefix-preserving (Qwen3 renders reasoning only after the last user query);
+- the model's own chat template, with meshrl's tool-call parsers, for the families `renderers`
+  lacks: accepted only when it renders a tool cycle as an extension of the conversation, checked
+  on a probe at start-up, so a template that is not prefix-preserving is refused before any
+  rollout, never mid-run.
+
+Either way a rollout's ids are the exact sampled ids plus the scaffolding between turns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from transformers import PreTrainedTokenizerBase
+
+from meshrl.configs.schema import ModelConfig
+from meshrl.inference.toolcalls import decode_turn, split_reasoning, tool_call
+from meshrl.traces.collator import TraceCollator
+
+TEMPLATE = "template"
+_PROBE_TOOL = "meshrl_probe"
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    """A run's chat format, resolved: `renderer` is "template" or a `renderers` name."""
+
+    renderer: str = TEMPLATE
+    tool_parser: str = "hermes"  # the template path's tool-call form
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. enable_thinking
+
+    @classmethod
+    def of(cls, model: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> ChatSettings:
+        """`model.renderer = "auto"`: the renderer `renderers` maps the tokenizer's name to, else the template."""
+        renderer = model.renderer
+        if renderer == "auto":
+            from renderers.base import MODEL_RENDERER_MAP
+
+            renderer = MODEL_RENDERER_MAP.get(getattr(tokenizer, "name_or_path", ""), TEMPLATE)
+        return cls(renderer, model.tool_parser, dict(model.chat_template_kwargs))
+
+
+class ChatFormat(Protocol):
+    stop_ids: list[int]
+
+    def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The opening messages rendered, ending where the first assistant turn is sampled."""
+
+    def parse(self, prompt_ids: list[int], completion_ids: list[int]) -> dict[str, Any]:
+        """The assistant message of a completion sampled after `prompt_ids`."""
+
+    def tool_turn_ids(self, prompt_ids: list[int], completion_ids: list[int],
+                      messages: list[dict[str, Any]], tool_messages: list[dict[str, Any]]) -> list[int]:  # fmt: skip
+        """Ids between the completion and the next sampled turn (`messages` end with its message)."""
+
+
+def _assistant(content: str, reasoning: str | None, calls: list[dict[str, Any]]) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+_PROBE_RESULT = {"role": "tool", "content": "probe result", "tool_call_id": "call_0"}
+
+
+def _probe_turn(tool_name: str, reasoning: str | None = None) -> dict[str, Any]:
+    call = {"id": "call_0", "type": "function", "function": {"name": tool_name, "arguments": {"x": 1}}}
+    return _assistant("", reasoning, [call])
+
+
+class RendererChat:
+    """A `renderers` renderer. Within an episode only tool turns follow a sampled turn, so every
+    renderer is built to keep reasoning within a tool cycle (what it samples is what it sees)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, settings: ChatSettings,
+                 tools: list[dict[str, Any]] | None) -> None:  # fmt: skip
+        import renderers
+
+        config = renderers.config_from_name(settings.renderer).model_copy(update={"thinking_retention": "tool_cycle"})
+        try:
+            self.renderer = renderers.create_renderer(tokenizer, config, chat_template_kwargs=settings.template_kwargs)
+        except (AssertionError, ValueError) as error:  # renderers asserts its special tokens exist
+            raise ValueError(f"model.renderer {settings.renderer!r} does not fit this tokenizer: {error}") from error
+        self.name, self.tools = settings.renderer, tools
+        self.stop_ids = list(self.renderer.get_stop_token_ids())
+
+    def check(self, tool_name: str) -> None:
+        """Refuse a renderer that cannot extend a probe episode by its tool turn (one that always
+        re-renders, as renderers' apply_chat_template fallback does): the first such turn would fail."""
+        opening = [{"role": "user", "content": "probe"}]
+        prompt = self.prompt_ids(opening)
+        full = list(self.renderer.render_ids([*opening, _probe_turn(tool_name)], tools=self.tools))
+        ends = [i + 1 for i, token in enumerate(full) if token in self.stop_ids and i >= len(prompt)]
+        if full[: len(prompt)] != prompt or not ends:
+            raise ValueError(f"model.renderer {self.name!r} does not render a tool-call turn after its own prompt")
+        self.tool_turn_ids(prompt, full[len(prompt) : ends[0]], [], [_PROBE_RESULT])
+
+    def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        return list(self.renderer.render_ids(messages, tools=self.tools, add_generation_prompt=True))
+
+    def parse(self, prompt_ids: list[int], completion_ids: list[int]) -> dict[str, Any]:
+        from renderers import ToolCallParseStatus
+
+        parsed = self.renderer.parse_response(completion_ids, tools=self.tools, prompt_ids=prompt_ids)
+        readable = (ToolCallParseStatus.OK, ToolCallParseStatus.UNKNOWN_TOOL)  # an unknown tool is the task's to answer
+        calls = [
+            tool_call(i, {"name": c.name, "arguments": c.arguments} if c.status in readable else None)
+            for i, c in enumerate(parsed.tool_calls)
+        ]
+        return _assistant(parsed.content, parsed.reasoning_content or None, calls)
+
+    def tool_turn_ids(self, prompt_ids: list[int], completion_ids: list[int],
+                      messages: list[dict[str, Any]], tool_messages: list[dict[str, Any]]) -> list[int]:  # fmt: skip
+        bridged = self.renderer.bridge_to_next_turn(prompt_ids, completion_ids, tool_messages, tools=self.tools)
+        before = len(prompt_ids) + len(completion_ids)
+        if bridged is None or bridged.token_ids[:before] != [*prompt_ids, *completion_ids]:
+            raise ValueError(f"renderer {self.name!r} cannot extend this episode by its tool turn without re-rendering")
+        return list(bridged.token_ids[before:])
+
+
+class TemplateChat:
+    """The tokenizer's own chat template and meshrl's tool-call parser `settings.tool_parser`."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, settings: ChatSettings,
+                 tools: list[dict[str, Any]] | None) -> None:  # fmt: skip
+        self.tokenizer, self.tool_parser = tokenizer, settings.tool_parser
+        self.collator = TraceCollator(tokenizer, tools=tools, template_kwargs=settings.template_kwargs)
+        self.footer = self.collator.footer  # the end-of-turn marker the engine stops on
+        self.stop_ids = [tokenizer.convert_tokens_to_ids(self.footer)] if self.footer else []
+
+    def _ids(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        return self._ids(self.collator.render(messages, generation_prompt=True))
+
+    def parse(self, prompt_ids: list[int], completion_ids: list[int]) -> dict[str, Any]:
+        content, calls = decode_turn(self.tokenizer, completion_ids, self.tool_parser)
+        reasoning, content = split_reasoning(content)
+        return _assistant(content, reasoning, calls)
+
+    def tool_turn_ids(self, prompt_ids: list[int], completion_ids: list[int],
+                      messages: list[dict[str, Any]], tool_messages: list[dict[str, Any]]) -> list[int]:  # fmt: skip
+        before = self.collator.render(messages)
+        after = self.collator.render(messages + tool_messages, generation_prompt=True)
+        if not after.startswith(before):
+            raise ValueError("the chat template does not render tool turns as an extension of the conversation")
+        tail = before[before.rfind(self.footer) + len(self.footer) :] if self.footer else ""
+        return self._ids(tail + after[len(before) :])
+
+    def check(self, tool_name: str) -> None:
+        """Refuse a template that re-renders an assistant turn once a tool result follows it, with
+        reasoning or without (Qwen3 adds an empty think block to the last turn only): the first
+        such turn of a run would fail."""
+        opening = [{"role": "user", "content": "probe"}]
+        for reasoning in (None, "probe reasoning"):
+            try:
+                self.tool_turn_ids([], [], [*opening, _probe_turn(tool_name, reasoning)], [_PROBE_RESULT])
+            except ValueError:
+                from renderers.base import MODEL_RENDERER_MAP
+
+                with_or_not = "with" if reasoning else "without"
+                raise ValueError(
+                    f"the chat template of {self.tokenizer.name_or_path} is not prefix-preserving: an assistant "
+                    f"tool-call turn {with_or_not} reasoning renders differently once its tool result follows, so "
+                    "a multi-turn episode could not keep its sampled ids. Set model.renderer to the `renderers` "
+                    f"renderer of its family ({', '.join(sorted(set(MODEL_RENDERER_MAP.values())))}), or use a "
+                    "template that renders conversations prefix by prefix"
+                ) from None
+
+
+def make_chat(tokenizer: PreTrainedTokenizerBase, settings: ChatSettings,
+              tools: list[dict[str, Any]] | None) -> RendererChat | TemplateChat:  # fmt: skip
+    """The run's chat format; a template that would fail mid-run is refused here."""
+    chat = (
+        TemplateChat(tokenizer, settings, tools)
+        if settings.renderer == TEMPLATE
+        else RendererChat(tokenizer, settings, tools)
+    )
+    chat.check(tools[0]["function"]["name"] if tools else _PROBE_TOOL)
+    return chat
