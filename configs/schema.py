@@ -61,10 +61,11 @@ class TinyModelConfig(Section):
         False, description="Share the input embedding with the LM head (Qwen2.5 <= 3B, Llama-3.2)."
     )
 
-    chat_template: Literal["chatml", "hermes"] = Field(
+    chat_template: Literal["chatml", "hermes", "qwen3"] = Field(
         "chatml",
-        description="chatml: tool results in a `tool` turn; hermes (Qwen2.5/Qwen3): tools in the system turn, "
-        "results as <tool_response> blocks in a user turn.",
+        description="chatml: tool results in a `tool` turn; hermes (Qwen2.5): tools in the system turn, "
+        "results as <tool_response> blocks in a user turn; qwen3: the template Qwen3 ships (thinking; with "
+        "model.renderer = 'qwen3').",
     )
 
     @model_validator(mode="after")

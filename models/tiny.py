@@ -83,11 +83,15 @@ HERMES_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif -%}"
 )
-CHAT_TEMPLATES = {"chatml": CHATML_TEMPLATE, "hermes": HERMES_TEMPLATE}
+# Qwen3's template as Qwen3 checkpoints ship it (thinking, Hermes tools; not prefix-preserving,
+# so a run with it takes the `renderers` qwen3 renderer).
+QWEN3_TEMPLATE = (Path(__file__).parent / "templates" / "qwen3.jinja").read_text()
+CHAT_TEMPLATES = {"chatml": CHATML_TEMPLATE, "hermes": HERMES_TEMPLATE, "qwen3": QWEN3_TEMPLATE}
 # Whole tokens of each template's tool scaffolding (kept by decode(skip_special_tokens=True)).
 TOOL_TOKENS = {
     "chatml": ["<tool_call>", "</tool_call>"],
     "hermes": ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"],
+    "qwen3": ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"],
 }
 
 _WORDS = (

@@ -92,19 +92,22 @@ class RendererChat:
             self.renderer = renderers.create_renderer(tokenizer, config, chat_template_kwargs=settings.template_kwargs)
         except (AssertionError, ValueError) as error:  # renderers asserts its special tokens exist
             raise ValueError(f"model.renderer {settings.renderer!r} does not fit this tokenizer: {error}") from error
-        self.name, self.tools = settings.renderer, tools
+        self.tokenizer, self.name, self.tools = tokenizer, settings.renderer, tools
         self.stop_ids = list(self.renderer.get_stop_token_ids())
 
     def check(self, tool_name: str) -> None:
-        """Refuse a renderer that cannot extend a probe episode by its tool turn (one that always
-        re-renders, as renderers' apply_chat_template fallback does): the first such turn would fail."""
-        opening = [{"role": "user", "content": "probe"}]
-        prompt = self.prompt_ids(opening)
-        full = list(self.renderer.render_ids([*opening, _probe_turn(tool_name)], tools=self.tools))
-        ends = [i + 1 for i, token in enumerate(full) if token in self.stop_ids and i >= len(prompt)]
-        if full[: len(prompt)] != prompt or not ends:
-            raise ValueError(f"model.renderer {self.name!r} does not render a tool-call turn after its own prompt")
-        self.tool_turn_ids(prompt, full[len(prompt) : ends[0]], [], [_PROBE_RESULT])
+        """Refuse a renderer that cannot extend a probe turn by a tool result (one that always
+        re-renders): the first tool turn of a run would fail. The probe turn is plain text, or
+        reasoning closed before it where the prompt opens a think block (DeepSeek-R1)."""
+        prompt = self.prompt_ids([{"role": "user", "content": "probe"}])
+        for text in ("probe", "probe reasoning\n</think>\n\nprobe"):
+            completion = [*self.tokenizer.encode(text, add_special_tokens=False), self.stop_ids[0]]
+            try:
+                self.tool_turn_ids(prompt, completion, [], [_PROBE_RESULT])
+                return
+            except ValueError:
+                continue
+        raise ValueError(f"model.renderer {self.name!r} cannot extend a turn by its tool results without re-rendering")
 
     def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         return list(self.renderer.render_ids(messages, tools=self.tools, add_generation_prompt=True))
@@ -118,7 +121,12 @@ class RendererChat:
             tool_call(i, {"name": c.name, "arguments": c.arguments} if c.status in readable else None)
             for i, c in enumerate(parsed.tool_calls)
         ]
-        return _assistant(parsed.content, parsed.reasoning_content or None, calls)
+        content, reasoning = parsed.content, parsed.reasoning_content or None
+        if reasoning is None and "</think>" in content:  # a think block opened where the parser did not look
+            # (DeepSeek-R1's prompt after tool outputs opens one without an assistant header)
+            reasoning, _, content = content.partition("</think>")
+            reasoning, content = reasoning.removeprefix("<think>").strip("\n"), content.lstrip("\n")
+        return _assistant(content, reasoning, calls)
 
     def tool_turn_ids(self, prompt_ids: list[int], completion_ids: list[int],
                       messages: list[dict[str, Any]], tool_messages: list[dict[str, Any]]) -> list[int]:  # fmt: skip
@@ -160,24 +168,34 @@ class TemplateChat:
         return self._ids(tail + after[len(before) :])
 
     def check(self, tool_name: str) -> None:
-        """Refuse a template that re-renders an assistant turn once a tool result follows it, with
+        """Refuse a template that drops tool calls (when the task declares tools), or re-renders an assistant turn once a tool result follows it, with
         reasoning or without (Qwen3 adds an empty think block to the last turn only): the first
         such turn of a run would fail."""
+        from jinja2 import TemplateError
+        from renderers.base import MODEL_RENDERER_MAP
+
         opening = [{"role": "user", "content": "probe"}]
+        if self.collator.tools and tool_name not in self.collator.render([*opening, _probe_turn(tool_name)]):
+            raise ValueError(
+                f"model.renderer 'template': the chat template of {self.tokenizer.name_or_path or 'the tokenizer'} "
+                "renders no tool calls of assistant turns, so the task's tool calls would vanish from every "
+                "rendered turn (the teachers' chosen answers among them): use a model whose template renders tools"
+            )
         for reasoning in (None, "probe reasoning"):
+            turn = "an assistant tool-call turn " + ("with" if reasoning else "without") + " reasoning"
             try:
                 self.tool_turn_ids([], [], [*opening, _probe_turn(tool_name, reasoning)], [_PROBE_RESULT])
+                continue
             except ValueError:
-                from renderers.base import MODEL_RENDERER_MAP
-
-                with_or_not = "with" if reasoning else "without"
-                raise ValueError(
-                    f"the chat template of {self.tokenizer.name_or_path} is not prefix-preserving: an assistant "
-                    f"tool-call turn {with_or_not} reasoning renders differently once its tool result follows, so "
-                    "a multi-turn episode could not keep its sampled ids. Set model.renderer to the `renderers` "
-                    f"renderer of its family ({', '.join(sorted(set(MODEL_RENDERER_MAP.values())))}), or use a "
-                    "template that renders conversations prefix by prefix"
-                ) from None
+                reason = f"it is not prefix-preserving: {turn} renders differently once its tool result follows"
+            except TemplateError as error:
+                reason = f"it fails to render {turn} and its tool result ({error})"
+            raise ValueError(
+                f"model.renderer 'template': the chat template of {self.tokenizer.name_or_path or 'the tokenizer'} "
+                f"cannot carry a multi-turn tool episode: {reason}. Set model.renderer to the `renderers` renderer "
+                f"of its family ({', '.join(sorted(set(MODEL_RENDERER_MAP.values())))}), or use a template that "
+                "renders conversations prefix by prefix"
+            )
 
 
 def make_chat(tokenizer: PreTrainedTokenizerBase, settings: ChatSettings,

@@ -8,7 +8,8 @@ misaligns with the template's role tokens).
 
 Span location is linear in the trace: the template's assistant header and end-of-turn
 footer are learned once per tokenizer from a probe conversation, then found by string
-search after each turn's content. When a template rewrites content so that search fails,
+search: a turn's span runs from just after its header (so anything the template puts before the
+content, like Qwen3's think block, is in it) to the footer after its content. When a template rewrites content so that search fails,
 the trace falls back to exact incremental rendering (prefix by prefix).
 
 Truncation: a sequence longer than `max_seq_len` keeps its first `max_seq_len` tokens (the
@@ -150,11 +151,12 @@ class TraceCollator:
                     return None
                 cursor = found + len(content)
                 continue
-            found = text.find(self.header + content, cursor)
-            if found < 0:
-                return None
+            found = text.find(self.header, cursor)
             start = found + len(self.header)
-            end = text.find(self.footer, start + len(content)) if self.footer else len(text)
+            at = text.find(content, start) if found >= 0 else -1
+            if at < 0 or (self.footer and self.footer in text[start:at]):  # the content must be this turn's
+                return None
+            end = text.find(self.footer, at + len(content)) if self.footer else len(text)
             if end < 0:
                 return None
             end += len(self.footer)
