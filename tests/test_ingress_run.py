@@ -59,11 +59,19 @@ def test_run_with_outside_workers_a_killed_one_and_a_resume(tmp_path):
     # it dies holding leases whatever the timing (an unpaced b could submit before the kill).
     workers = {name: _worker(address, keys, name, logs[name], 1.0 if name == "b" else 0.0)
                for name in ("a", "b", "stranger")}  # fmt: skip
+    hold = tmp_path / "hold"
     try:
         # The controller writes to a file: a pipe nobody reads while the test waits could fill and block it.
+        # It publishes its weights, then holds before its first prompts until a and b run them: a
+        # worker starts in seconds, and the whole run takes a few (its groups would all go to the mesh).
+        hold.touch()
         train_log = tmp_path / "train.log"
-        first = subprocess.Popen([*MESHRL, "train", *SMALL, *ingress, "--max-steps", "9"], cwd=REPO, env=ENV,
+        first = subprocess.Popen([*MESHRL, "train", *SMALL, *ingress, "--max-steps", "9", "--task.kwargs",
+                                  json.dumps({"hold_file": str(hold)})], cwd=REPO, env=ENV,
                                  stdout=train_log.open("w"), stderr=subprocess.STDOUT)  # fmt: skip
+        for name in ("a", "b"):
+            _wait_for(logs[name], "policy version 0", context=train_log)
+        hold.unlink()
         _wait_for(logs["b"], "'accepted'", context=train_log)
         _wait_for(logs["b"], "leased", after="'accepted'", context=train_log)  # it leases again after it submits
         workers["b"].send_signal(signal.SIGKILL)  # killed holding leases
@@ -79,7 +87,6 @@ def test_run_with_outside_workers_a_killed_one_and_a_resume(tmp_path):
 
         # The controller restarts (resume); worker a keeps running and follows it. The resumed run
         # offers steps 9 and 10, then holds before step 11's prompts until a has leased from it.
-        hold = tmp_path / "hold"
         hold.touch()
         task = json.dumps({"hold_file": str(hold), "hold_after": 2})
         resume_log = tmp_path / "resume.log"
