@@ -97,9 +97,14 @@ class RendererChat:
 
     def check(self, tool_name: str) -> None:
         """Refuse a renderer that cannot extend a probe turn by a tool result (one that always
-        re-renders): the first tool turn of a run would fail. The probe turn is plain text, or
-        reasoning closed before it where the prompt opens a think block (DeepSeek-R1)."""
-        prompt = self.prompt_ids([{"role": "user", "content": "probe"}])
+        re-renders), or whose rendered answers do not parse back: the first tool turn or the first
+        replay pair of a run would fail. The probe turn is plain text, or reasoning closed before
+        it where the prompt opens a think block (DeepSeek-R1)."""
+        opening = [{"role": "user", "content": "probe"}]
+        prompt = self.prompt_ids(opening)
+        answer = self.parse(prompt, self.reply_ids(opening, {"role": "assistant", "content": "probe answer"}))
+        if answer["content"] != "probe answer" or answer.get("reasoning_content"):
+            raise ValueError(f"model.renderer {self.name!r} renders an answer that parses back as {answer}")
         for text in ("probe", "probe reasoning\n</think>\n\nprobe"):
             completion = [*self.tokenizer.encode(text, add_special_tokens=False), self.stop_ids[0]]
             try:
@@ -127,6 +132,25 @@ class RendererChat:
             reasoning, _, content = content.partition("</think>")
             reasoning, content = reasoning.removeprefix("<think>").strip("\n"), content.lstrip("\n")
         return _assistant(content, reasoning, calls)
+
+    def reply_ids(self, messages: list[dict[str, Any]], action: dict[str, Any]) -> list[int]:
+        """`action` (a teacher's answer) as the policy would sample it after `prompt_ids(messages)`,
+        through its stop id: the renderer's rendering of it, after the prompt. A prompt that opens
+        a think block the rendered answer lacks (DeepSeek-R1 prefills `<think>`) has it closed
+        empty first, as Qwen3 renders an answer without reasoning."""
+        prompt = self.prompt_ids(messages)
+        full = list(self.renderer.render_ids([*messages, action], tools=self.tools))
+        shared = next((i for i, (a, b) in enumerate(zip(prompt, full)) if a != b), min(len(prompt), len(full)))
+        opened = self.tokenizer.decode(prompt[shared:])
+        if opened.strip() == "<think>":
+            reply = self.tokenizer.encode("\n</think>\n\n" if opened.endswith("\n") else "</think>\n\n",
+                                          add_special_tokens=False) + full[shared:]  # fmt: skip
+        elif not opened:
+            reply = full[shared:]
+        else:
+            raise ValueError(f"renderer {self.name!r} renders an answer that does not continue its prompt {opened!r}")
+        ends = [i for i, t in enumerate(reply) if t in self.stop_ids]
+        return reply[: ends[-1] + 1] if ends else [*reply, self.stop_ids[0]]
 
     def tool_turn_ids(self, prompt_ids: list[int], completion_ids: list[int],
                       messages: list[dict[str, Any]], tool_messages: list[dict[str, Any]]) -> list[int]:  # fmt: skip

@@ -11,8 +11,8 @@ the shipped template's rendering of the conversation), the loss mask covers exac
 ids, the engine's logprobs are a full forward's over the rollout, and the replay and SDPO rows
 carry the sampled ids. Families whose template cannot carry such an episode are refused at
 start-up, naming why: SmolLM2's renders no tool calls (its tool-less tasks run); DeepSeek-R1-Distill's
-renders no tool call of a message with content (the deepseek-r1 renderer carries its episodes, but
-the collator cannot yet render its replay and SDPO rows, so such a run is refused too).
+renders no tool call of a message with content, and prefills an open think block a rendered
+reply lacks (the deepseek-r1 renderer carries its episodes and renders its replay and SDPO rows).
 """
 
 from __future__ import annotations
@@ -253,13 +253,9 @@ def test_replay_and_sdpo_rows_carry_the_sampled_ids(episode):
                    chosen=chosen, rejected=wrong.student_action.model_dump(exclude_none=True), n_teachers_agreeing=2,
                    teachers=["a", "b"], n_teachers=2, prompt_token_ids=wrong.prompt_token_ids,
                    rejected_token_ids=wrong.student_token_ids)  # fmt: skip
-    make = lambda: TraceCollator(tok, hint_generator=lambda kind, meta: HINT, tools=episodes.tools,  # noqa: E731
-                                 template_kwargs=family.settings.template_kwargs)  # fmt: skip
-    if name == "deepseek-r1-distill":  # its template prefills <think> that a rendered reply lacks: not yet
-        with pytest.raises(ValueError, match="does not render conversations prefix by prefix"):
-            make()
-        return
-    collator = make()
+    collator = TraceCollator(tok, hint_generator=lambda kind, meta: HINT, tools=episodes.tools,
+                             template_kwargs=family.settings.template_kwargs,
+                             sampled_format=None if family.settings.renderer == "template" else episodes.chat)  # fmt: skip
     batch = collator([trace], pairs=[pair], rl=False).batch
 
     def row(side: str) -> tuple[list[int], list[int]]:
@@ -272,6 +268,8 @@ def test_replay_and_sdpo_rows_carry_the_sampled_ids(episode):
     chosen_row, chosen_ids = row("dpo_chosen")
     assert chosen_row[: len(wrong.prompt_token_ids)] == wrong.prompt_token_ids
     assert f'"ticket": "{TICKET}"' in tok.decode(chosen_ids) and chosen_ids[-1] in episodes.stop_ids
+    answer = episodes.chat.parse(wrong.prompt_token_ids, chosen_ids)  # the chosen reply reads as the teachers' answer
+    assert [c["function"] for c in answer["tool_calls"]] == [{"name": "poll", "arguments": {"ticket": TICKET}}]
     student = batch["sdpo_student_input_ids"][0][batch["sdpo_student_attention_mask"][0].bool()].tolist()
     assert student == recovery.prompt_token_ids + recovery.student_token_ids
     teacher, taught = row("sdpo_teacher")
@@ -289,5 +287,7 @@ def test_a_template_that_cannot_carry_the_episode_is_refused_at_start_up():
     distill = family_tokenizer(FAMILIES["deepseek-r1-distill"])
     with pytest.raises(ValueError, match="does not render conversations prefix by prefix"):
         EpisodeFormat(distill, TASK, ChatSettings("template"))
+    with pytest.raises(ValueError, match="traces without sampled ids .warm-start demonstrations, task.traces."):
+        TraceCollator(distill).turn_markers  # noqa: B018 - what the controller asks at start-up when it has such traces
     with pytest.raises(ValueError, match="model.renderer 'llama-3' does not fit this tokenizer"):
         EpisodeFormat(qwen3, TASK, ChatSettings("llama-3"))

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from functools import cached_property
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -32,6 +33,17 @@ from meshrl.rollouts.packing import Encoded, pack_rows
 from meshrl.traces.schema import TraceExample, Turn
 
 HintGenerator = Callable[[str, dict[str, Any]], "str | None"]
+
+
+class SampledFormat(Protocol):
+    """The policy's chat format where it is not the template's rendering (a `renderers` renderer):
+    what a sampled turn's prompt is, and how an answer reads as the policy would sample it."""
+
+    def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]: ...
+
+    def reply_ids(self, messages: list[dict[str, Any]], action: dict[str, Any]) -> list[int]: ...
+
+
 IGNORE = -100
 _PROBE_USER, _PROBE_REPLY = "meshrl probe question", "meshrl probe reply 7f3a"
 
@@ -90,6 +102,8 @@ class TraceCollator:
     many tokens with per-sample position ids (else rows are right-padded with an attention
     mask); `max_seq_len` truncates (see the module docstring); `tools` (OpenAI function schemas,
     the task's) are rendered by the chat template as they were when the policy sampled.
+    `sampled_format` renders what goes beside sampled ids (the teachers' chosen answers, SDPO's
+    hinted prompt) when the policy samples under a `renderers` renderer; by default the template does.
     """
 
     def __init__(
@@ -102,6 +116,7 @@ class TraceCollator:
         hint_role: str = "user",
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        sampled_format: SampledFormat | None = None,
     ) -> None:
         if tokenizer.chat_template is None:
             raise ValueError("the tokenizer has no chat template; TraceCollator needs one")
@@ -119,7 +134,7 @@ class TraceCollator:
         self.hint_role = hint_role
         self.tools = tools
         self.template_kwargs = dict(template_kwargs or {})
-        self.header, self.footer = self._learn_turn_markers()
+        self.sampled_format = sampled_format
 
     # ------------------------------------------------------------------ rendering and spans
 
@@ -128,15 +143,29 @@ class TraceCollator:
             messages, tools=self.tools, tokenize=False, add_generation_prompt=generation_prompt, **self.template_kwargs
         )
 
-    def _learn_turn_markers(self) -> tuple[str, str]:
-        """The assistant header (the generation prompt) and the end-of-turn marker after a reply."""
+    @cached_property
+    def turn_markers(self) -> tuple[str, str]:
+        """The assistant header (the generation prompt) and the end-of-turn marker after a reply,
+        learned from a probe. Only conversations without sampled ids need them: a template that
+        prefills the reply (DeepSeek-R1's open think block) can still collate sampled rollouts."""
         user = [{"role": "user", "content": _PROBE_USER}]
         bare, prompted = self.render(user), self.render(user, generation_prompt=True)
         full = self.render([*user, {"role": "assistant", "content": _PROBE_REPLY}])
         if not prompted.startswith(bare) or not full.startswith(prompted) or _PROBE_REPLY not in full:
-            raise ValueError("the chat template does not render conversations prefix by prefix")
+            raise ValueError(
+                "the chat template does not render conversations prefix by prefix, so traces without sampled "
+                "ids (warm-start demonstrations, task.traces) cannot be rendered for training"
+            )
         after = full[full.index(_PROBE_REPLY) + len(_PROBE_REPLY) :]
         return prompted[len(bare) :], after.rstrip()
+
+    @property
+    def header(self) -> str:
+        return self.turn_markers[0]
+
+    @property
+    def footer(self) -> str:
+        return self.turn_markers[1]
 
     def assistant_spans(self, messages: list[dict[str, Any]], text: str) -> list[tuple[int, int]] | None:
         """Character spans of every assistant turn (content, tool calls, end marker) in `text`.
@@ -275,9 +304,7 @@ class TraceCollator:
                 sampled = ex.sampled_ids(turn)
                 if sampled is not None:
                     before, ids = (self._checked(part, ex.trace_id) for part in sampled)
-                    exact.append(
-                        (_then(before, ids), _then(self._ids(self.render(hinted, generation_prompt=True)), ids))
-                    )
+                    exact.append((_then(before, ids), _then(self._prompt_ids(hinted), ids)))
                     continue
                 students.append(messages[: k + 1])
                 teachers.append([*hinted, messages[k]])
@@ -308,6 +335,20 @@ class TraceCollator:
             raise ValueError(f"trace {where}: token ids outside the vocabulary of {len(self.tokenizer)}")
         return out
 
+    def _prompt_ids(self, messages: list[dict[str, Any]]) -> np.ndarray:
+        """`messages` as the policy's prompt for the next assistant turn."""
+        if self.sampled_format is not None:
+            return np.asarray(self.sampled_format.prompt_ids(messages), dtype=np.int64)
+        return self._ids(self.render(messages, generation_prompt=True))
+
+    def _reply_ids(self, state: list[dict[str, Any]], action: Mapping[str, Any]) -> np.ndarray:
+        """`action` as the policy would sample it after `state`'s prompt, through its end-of-turn marker."""
+        if self.sampled_format is not None:
+            return np.asarray(self.sampled_format.reply_ids(state, to_message(action)), dtype=np.int64)
+        prompt = self.render(state, generation_prompt=True)
+        full, end = self._reply(state, prompt, action)
+        return self._ids(full[len(prompt) : end])
+
     def _reply(self, state: list[dict[str, Any]], prompt: str, action: Mapping[str, Any]) -> tuple[str, int]:
         """The state and `action` rendered, and where the action's end-of-turn marker ends."""
         full = self.render([*state, to_message(action)])
@@ -320,22 +361,21 @@ class TraceCollator:
 
         A pair whose student turn was sampled keeps its exact ids: the rejected row is the ids
         before the turn and the ids it sampled; the chosen row is the same ids before it and the
-        teachers' answer as the template renders it. Other pairs are rendered whole."""
+        teachers' answer as the policy's chat format renders it. Other pairs are rendered whole."""
         texts, spans, rows = [], [], []
         for pair in pairs:
             pair = pair if isinstance(pair, Mapping) else pair.model_dump()
             state = [to_message(m) for m in pair["state_messages"]]
-            prompt = self.render(state, generation_prompt=True)
             if pair.get("rejected_token_ids") is not None:  # the student's turn is rendered by no one
                 where = f"{pair['trace_id']} turn {pair['turn_index']}"
                 before = self._checked(pair["prompt_token_ids"], where)
-                chosen_text, end = self._reply(state, prompt, pair["chosen"])
-                chosen_ids = self._ids(chosen_text[len(prompt) : end])
+                chosen_ids = self._reply_ids(state, pair["chosen"])
                 rows.append(
                     (_then(before, chosen_ids), _then(before, self._checked(pair["rejected_token_ids"], where)))
                 )
                 continue
             rows.append(None)
+            prompt = self.render(state, generation_prompt=True)
             for action in (pair["chosen"], pair["rejected"]):
                 full, end = self._reply(state, prompt, action)
                 texts.append(full)
