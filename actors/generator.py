@@ -36,7 +36,7 @@ class GeneratorActor(Actor):
             torch.set_num_threads(cpu_threads(config.topology))
         engine = make_engine(g.backend, model_path, config.model.dtype, gpus)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        episodes = EpisodeFormat(tokenizer, make_task(config.task), ChatSettings.of(config.model, tokenizer))
+        episodes = EpisodeFormat(tokenizer, make_task(config.task), ChatSettings.of(config.model))
         self.scheduler = EpisodeScheduler(
             engine, episodes, Sampling(g.temperature, g.top_p, g.max_new_tokens),
             max_episodes=g.max_concurrent_episodes, max_tokens=g.max_concurrent_tokens,

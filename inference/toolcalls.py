@@ -114,10 +114,12 @@ def parse_mistral(text: str) -> ParsedTurn:
 REASONING = re.compile(r"<think>.*?(?:</think>|$)", re.DOTALL)
 
 
-def split_reasoning(content: str) -> tuple[str | None, str]:
+def split_reasoning(content: str, opened: bool = False) -> tuple[str | None, str]:
     """(the reasoning, the content after it) of a turn that opens with `<think>` (an unclosed one
-    runs to the end); (None, content) for a turn without."""
+    runs to the end), or whose prompt `opened` the block; (None, content) for a turn without."""
     stripped = content.lstrip()
+    if opened and not stripped.startswith("<think>"):
+        stripped = "<think>" + stripped
     found = REASONING.match(stripped)
     if not found:
         return None, content

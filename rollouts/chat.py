@@ -17,8 +17,12 @@ Either way a rollout's ids are the exact sampled ids plus the scaffolding betwee
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
+import renderers
+from jinja2 import TemplateError
+from renderers import ToolCallParseStatus
+from renderers.base import MODEL_RENDERER_MAP
 from transformers import PreTrainedTokenizerBase
 
 from meshrl.configs.schema import ModelConfig
@@ -38,28 +42,14 @@ class ChatSettings:
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. enable_thinking
 
     @classmethod
-    def of(cls, model: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> ChatSettings:
-        """`model.renderer = "auto"`: the renderer `renderers` maps the tokenizer's name to, else the template."""
+    def of(cls, model: ModelConfig) -> ChatSettings:
+        """`model.renderer = "auto"`: the renderer `renderers` maps `model.path` (a hub id) to, else
+        the template. Resolved from the config, not from a tokenizer's name, so every process of a
+        run (and `meshrl eval` on a checkpoint directory) resolves it alike."""
         renderer = model.renderer
         if renderer == "auto":
-            from renderers.base import MODEL_RENDERER_MAP
-
-            renderer = MODEL_RENDERER_MAP.get(getattr(tokenizer, "name_or_path", ""), TEMPLATE)
+            renderer = MODEL_RENDERER_MAP.get(model.path, TEMPLATE)
         return cls(renderer, model.tool_parser, dict(model.chat_template_kwargs))
-
-
-class ChatFormat(Protocol):
-    stop_ids: list[int]
-
-    def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The opening messages rendered, ending where the first assistant turn is sampled."""
-
-    def parse(self, prompt_ids: list[int], completion_ids: list[int]) -> dict[str, Any]:
-        """The assistant message of a completion sampled after `prompt_ids`."""
-
-    def tool_turn_ids(self, prompt_ids: list[int], completion_ids: list[int],
-                      messages: list[dict[str, Any]], tool_messages: list[dict[str, Any]]) -> list[int]:  # fmt: skip
-        """Ids between the completion and the next sampled turn (`messages` end with its message)."""
 
 
 def _assistant(content: str, reasoning: str | None, calls: list[dict[str, Any]]) -> dict[str, Any]:
@@ -85,13 +75,14 @@ class RendererChat:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, settings: ChatSettings,
                  tools: list[dict[str, Any]] | None) -> None:  # fmt: skip
-        import renderers
-
         config = renderers.config_from_name(settings.renderer).model_copy(update={"thinking_retention": "tool_cycle"})
         try:
             self.renderer = renderers.create_renderer(tokenizer, config, chat_template_kwargs=settings.template_kwargs)
         except (AssertionError, ValueError) as error:  # renderers asserts its special tokens exist
-            raise ValueError(f"model.renderer {settings.renderer!r} does not fit this tokenizer: {error}") from error
+            kwargs = f" with model.chat_template_kwargs {settings.template_kwargs}" if settings.template_kwargs else ""
+            raise ValueError(
+                f"model.renderer {settings.renderer!r}{kwargs} does not fit this tokenizer: {error}"
+            ) from error
         self.tokenizer, self.name, self.tools = tokenizer, settings.renderer, tools
         self.stop_ids = list(self.renderer.get_stop_token_ids())
 
@@ -118,8 +109,6 @@ class RendererChat:
         return list(self.renderer.render_ids(messages, tools=self.tools, add_generation_prompt=True))
 
     def parse(self, prompt_ids: list[int], completion_ids: list[int]) -> dict[str, Any]:
-        from renderers import ToolCallParseStatus
-
         parsed = self.renderer.parse_response(completion_ids, tools=self.tools, prompt_ids=prompt_ids)
         readable = (ToolCallParseStatus.OK, ToolCallParseStatus.UNKNOWN_TOOL)  # an unknown tool is the task's to answer
         calls = [
@@ -129,8 +118,7 @@ class RendererChat:
         content, reasoning = parsed.content, parsed.reasoning_content or None
         if reasoning is None and "</think>" in content:  # a think block opened where the parser did not look
             # (DeepSeek-R1's prompt after tool outputs opens one without an assistant header)
-            reasoning, _, content = content.partition("</think>")
-            reasoning, content = reasoning.removeprefix("<think>").strip("\n"), content.lstrip("\n")
+            reasoning, content = split_reasoning(content, opened=True)
         return _assistant(content, reasoning, calls)
 
     def reply_ids(self, messages: list[dict[str, Any]], action: dict[str, Any]) -> list[int]:
@@ -168,7 +156,10 @@ class TemplateChat:
                  tools: list[dict[str, Any]] | None) -> None:  # fmt: skip
         self.tokenizer, self.tool_parser = tokenizer, settings.tool_parser
         self.collator = TraceCollator(tokenizer, tools=tools, template_kwargs=settings.template_kwargs)
-        self.footer = self.collator.footer  # the end-of-turn marker the engine stops on
+        try:
+            self.footer = self.collator.footer  # the end-of-turn marker the engine stops on
+        except ValueError:
+            raise _refusal(tokenizer, "its generation prompt is not where its rendered replies start") from None
         self.stop_ids = [tokenizer.convert_tokens_to_ids(self.footer)] if self.footer else []
 
     def _ids(self, text: str) -> list[int]:
@@ -178,9 +169,14 @@ class TemplateChat:
         return self._ids(self.collator.render(messages, generation_prompt=True))
 
     def parse(self, prompt_ids: list[int], completion_ids: list[int]) -> dict[str, Any]:
+        """The content stays as sampled, think block and all: this template renders it back to the
+        sampled text (it is prefix-preserving), and drops `reasoning_content`, which is only a copy
+        for rubrics."""
         content, calls = decode_turn(self.tokenizer, completion_ids, self.tool_parser)
-        reasoning, content = split_reasoning(content)
-        return _assistant(content, reasoning, calls)
+        return _assistant(content, split_reasoning(content)[0], calls)
+
+    def reply_ids(self, messages: list[dict[str, Any]], action: dict[str, Any]) -> list[int]:
+        return self.collator.template_reply_ids(messages, action).tolist()
 
     def tool_turn_ids(self, prompt_ids: list[int], completion_ids: list[int],
                       messages: list[dict[str, Any]], tool_messages: list[dict[str, Any]]) -> list[int]:  # fmt: skip
@@ -192,12 +188,9 @@ class TemplateChat:
         return self._ids(tail + after[len(before) :])
 
     def check(self, tool_name: str) -> None:
-        """Refuse a template that drops tool calls (when the task declares tools), or re-renders an assistant turn once a tool result follows it, with
-        reasoning or without (Qwen3 adds an empty think block to the last turn only): the first
-        such turn of a run would fail."""
-        from jinja2 import TemplateError
-        from renderers.base import MODEL_RENDERER_MAP
-
+        """Refuse a template that drops tool calls (when the task declares tools), or re-renders an
+        assistant turn once a tool result follows it, with reasoning or without (Qwen3 adds an
+        empty think block to the last turn only): the first such turn of a run would fail."""
         opening = [{"role": "user", "content": "probe"}]
         if self.collator.tools and tool_name not in self.collator.render([*opening, _probe_turn(tool_name)]):
             raise ValueError(
@@ -214,12 +207,16 @@ class TemplateChat:
                 reason = f"it is not prefix-preserving: {turn} renders differently once its tool result follows"
             except TemplateError as error:
                 reason = f"it fails to render {turn} and its tool result ({error})"
-            raise ValueError(
-                f"model.renderer 'template': the chat template of {self.tokenizer.name_or_path or 'the tokenizer'} "
-                f"cannot carry a multi-turn tool episode: {reason}. Set model.renderer to the `renderers` renderer "
-                f"of its family ({', '.join(sorted(set(MODEL_RENDERER_MAP.values())))}), or use a template that "
-                "renders conversations prefix by prefix"
-            )
+            raise _refusal(self.tokenizer, reason)
+
+
+def _refusal(tokenizer: PreTrainedTokenizerBase, reason: str) -> ValueError:
+    return ValueError(
+        f"model.renderer 'template': the chat template of {tokenizer.name_or_path or 'the tokenizer'} cannot "
+        f"carry a multi-turn tool episode: {reason}. Set model.renderer to the `renderers` renderer of its "
+        f"family ({', '.join(sorted(set(MODEL_RENDERER_MAP.values())))}), or use a template that renders "
+        "conversations prefix by prefix"
+    )
 
 
 def make_chat(tokenizer: PreTrainedTokenizerBase, settings: ChatSettings,

@@ -76,9 +76,8 @@ class EpisodeFormat:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, task: Task, settings: ChatSettings | None = None) -> None:
         self.tokenizer, self.task = tokenizer, task
-        self.settings = settings or ChatSettings()
         self.tools = task_tools(task)  # rendered by the chat format (e.g. Hermes' system turn)
-        self.chat = make_chat(tokenizer, self.settings, self.tools)
+        self.chat = make_chat(tokenizer, settings or ChatSettings(), self.tools)
         self.stop_ids = self.chat.stop_ids
         self.footer = tokenizer.convert_ids_to_tokens(self.stop_ids[0]) if self.stop_ids else ""  # end of a turn
 

@@ -40,7 +40,7 @@ from meshrl.models.gguf import ensure_gguf, is_gguf
 from meshrl.models.tiny import ensure_tiny
 from meshrl.rollouts.advantages import group_advantages
 from meshrl.rollouts.batches import aux_shards, rl_shards, rollout_trace
-from meshrl.rollouts.chat import TEMPLATE, ChatSettings
+from meshrl.rollouts.chat import ChatSettings, make_chat
 from meshrl.rollouts.episodes import EpisodeFormat, Rollout, fresh_rollouts, rubric_means
 from meshrl.rollouts.scheduler import FinishedGroup, GroupRequest
 from meshrl.run.evaluate import BackgroundEval
@@ -135,12 +135,12 @@ class Controller:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.task = make_task(config.task)
         hint = getattr(self.task, "hint", None)
-        self.chat = ChatSettings.of(config.model, self.tokenizer)
-        chat = EpisodeFormat(self.tokenizer, self.task, self.chat).chat  # one that would fail mid-run is refused here
+        self.chat = ChatSettings.of(config.model)
+        tools = task_tools(self.task)
         self.collator = TraceCollator(
-            self.tokenizer, hint_generator=hint if config.loss.sdpo.weight > 0 else None, tools=task_tools(self.task),
+            self.tokenizer, hint_generator=hint if config.loss.sdpo.weight > 0 else None, tools=tools,
             template_kwargs=self.chat.template_kwargs,
-            sampled_format=None if self.chat.renderer == TEMPLATE else chat,  # the template renders its own rows
+            sampled_format=make_chat(self.tokenizer, self.chat, tools),  # one that would fail mid-run is refused here
         )  # fmt: skip
         if config.trainer.warm_start_steps or config.task.traces:
             self.collator.turn_markers  # noqa: B018 - traces without sampled ids need them: refused here, not mid-run

@@ -53,7 +53,7 @@ def plan_for(config: RunConfig) -> EvalPlan:
 
 def _episodes(config: RunConfig, path: str | Path) -> EpisodeFormat:
     tokenizer = AutoTokenizer.from_pretrained(path)
-    return EpisodeFormat(tokenizer, make_task(config.task), ChatSettings.of(config.model, tokenizer))
+    return EpisodeFormat(tokenizer, make_task(config.task), ChatSettings.of(config.model))
 
 
 def evaluate_checkpoint(config: RunConfig, checkpoint: str | Path, out: Path | None = None) -> EvalResult:

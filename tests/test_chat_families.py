@@ -255,7 +255,7 @@ def test_replay_and_sdpo_rows_carry_the_sampled_ids(episode):
                    rejected_token_ids=wrong.student_token_ids)  # fmt: skip
     collator = TraceCollator(tok, hint_generator=lambda kind, meta: HINT, tools=episodes.tools,
                              template_kwargs=family.settings.template_kwargs,
-                             sampled_format=None if family.settings.renderer == "template" else episodes.chat)  # fmt: skip
+                             sampled_format=episodes.chat)  # fmt: skip
     batch = collator([trace], pairs=[pair], rl=False).batch
 
     def row(side: str) -> tuple[list[int], list[int]]:
@@ -285,7 +285,7 @@ def test_a_template_that_cannot_carry_the_episode_is_refused_at_start_up():
         EpisodeFormat(smollm2, TASK, ChatSettings("template"))
     EpisodeFormat(smollm2, PollTask(1, 2), ChatSettings("template"))  # a task that declares no tools runs
     distill = family_tokenizer(FAMILIES["deepseek-r1-distill"])
-    with pytest.raises(ValueError, match="does not render conversations prefix by prefix"):
+    with pytest.raises(ValueError, match="its generation prompt is not where its rendered replies start. Set"):
         EpisodeFormat(distill, TASK, ChatSettings("template"))
     with pytest.raises(ValueError, match="traces without sampled ids .warm-start demonstrations, task.traces."):
         TraceCollator(distill).turn_markers  # noqa: B018 - what the controller asks at start-up when it has such traces

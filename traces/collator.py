@@ -9,8 +9,9 @@ misaligns with the template's role tokens).
 Span location is linear in the trace: the template's assistant header and end-of-turn
 footer are learned once per tokenizer from a probe conversation, then found by string
 search: a turn's span runs from just after its header (so anything the template puts before the
-content, like Qwen3's think block, is in it) to the footer after its content. When a template rewrites content so that search fails,
-the trace falls back to exact incremental rendering (prefix by prefix).
+content, like Qwen3's think block, is in it) to the footer after its content. When a template
+rewrites content so that search fails, the trace falls back to exact incremental rendering
+(prefix by prefix).
 
 Truncation: a sequence longer than `max_seq_len` keeps its first `max_seq_len` tokens (the
 prompt and earliest turns) and is counted in `truncated`; an SDPO or DPO row whose masked
@@ -341,17 +342,22 @@ class TraceCollator:
             return np.asarray(self.sampled_format.prompt_ids(messages), dtype=np.int64)
         return self._ids(self.render(messages, generation_prompt=True))
 
-    def _reply_ids(self, state: list[dict[str, Any]], action: Mapping[str, Any]) -> np.ndarray:
-        """`action` as the policy would sample it after `state`'s prompt, through its end-of-turn marker."""
+    def reply_ids(self, state: list[dict[str, Any]], action: Mapping[str, Any]) -> np.ndarray:
+        """`action` (a pair's side) as the policy would sample it after `state`'s prompt, through
+        its end-of-turn marker."""
+        message = to_message(action)
         if self.sampled_format is not None:
-            return np.asarray(self.sampled_format.reply_ids(state, to_message(action)), dtype=np.int64)
+            return np.asarray(self.sampled_format.reply_ids(state, message), dtype=np.int64)
+        return self.template_reply_ids(state, message)
+
+    def template_reply_ids(self, state: list[dict[str, Any]], message: dict[str, Any]) -> np.ndarray:
         prompt = self.render(state, generation_prompt=True)
-        full, end = self._reply(state, prompt, action)
+        full, end = self._reply(state, prompt, message)
         return self._ids(full[len(prompt) : end])
 
-    def _reply(self, state: list[dict[str, Any]], prompt: str, action: Mapping[str, Any]) -> tuple[str, int]:
-        """The state and `action` rendered, and where the action's end-of-turn marker ends."""
-        full = self.render([*state, to_message(action)])
+    def _reply(self, state: list[dict[str, Any]], prompt: str, message: dict[str, Any]) -> tuple[str, int]:
+        """The state and `message` rendered, and where the message's end-of-turn marker ends."""
+        full = self.render([*state, message])
         if not full.startswith(prompt):
             raise ValueError("the chat template does not render the pair's prompt as a prefix of prompt+response")
         return full, full.rfind(self.footer) + len(self.footer) if self.footer else len(full)
@@ -369,7 +375,7 @@ class TraceCollator:
             if pair.get("rejected_token_ids") is not None:  # the student's turn is rendered by no one
                 where = f"{pair['trace_id']} turn {pair['turn_index']}"
                 before = self._checked(pair["prompt_token_ids"], where)
-                chosen_ids = self._reply_ids(state, pair["chosen"])
+                chosen_ids = self.reply_ids(state, pair["chosen"])
                 rows.append(
                     (_then(before, chosen_ids), _then(before, self._checked(pair["rejected_token_ids"], where)))
                 )
@@ -377,7 +383,7 @@ class TraceCollator:
             rows.append(None)
             prompt = self.render(state, generation_prompt=True)
             for action in (pair["chosen"], pair["rejected"]):
-                full, end = self._reply(state, prompt, action)
+                full, end = self._reply(state, prompt, to_message(action))
                 texts.append(full)
                 spans.append([(len(prompt), end)])
         encoded = iter(self._encode_all(texts, spans))
