@@ -494,6 +494,32 @@ class TaskConfig(Section):
     traces: list[str] = Field(default_factory=list, description="Ingested trace files (JSONL) replayed by teachers.")
 
 
+class SandboxConfig(Section):
+    """Where code a policy wrote runs (`meshrl.sandbox`): one fresh process per call, no network."""
+
+    backend: Literal["bwrap", "docker", "none"] = Field(
+        "bwrap",
+        description="'bwrap': bubblewrap namespaces (Linux; apt-get install bubblewrap); 'docker': a container "
+        "per call through the Docker SDK (a daemon on the host); 'none': plain limited processes on the host, "
+        "no isolation (logged loudly; never the default).",
+    )
+    pool_size: int = Field(4, ge=1, description="Calls that run at once; more wait for a free slot.")
+    python: str = Field(
+        "/usr/bin/python3",
+        description="The interpreter inside the sandbox (bwrap, none): bound read-only with its prefix; the "
+        "sandbox user must be able to read it (a root-only pyenv under /root is not).",
+    )
+    image: str = Field("python:3.12-slim", description="The container image (docker backend).")
+    wall_time_s: float = Field(10.0, gt=0, description="A call is killed this long after it starts.")
+    cpu_time_s: int = Field(5, ge=1, description="CPU seconds per call (RLIMIT_CPU).")
+    memory_mb: int = Field(512, ge=64, description="Address space per process (RLIMIT_AS; docker: mem_limit).")
+    processes: int = Field(32, ge=1, description="Processes and threads a call may have at once.")
+    open_files: int = Field(64, ge=16, description="Open file descriptors per process (RLIMIT_NOFILE).")
+    file_size_mb: int = Field(16, ge=1, description="Largest file a call may write (RLIMIT_FSIZE).")
+    workdir_mb: int = Field(64, ge=1, description="Size of the call's working directory and /tmp (tmpfs each).")
+    output_bytes: int = Field(65536, ge=1024, description="stdout + stderr kept; a call printing more is killed.")
+
+
 class CkptConfig(Section):
     interval: int = Field(50, ge=1, description="Save a checkpoint every this many steps.")
     keep_last: int = Field(3, ge=1, description="Complete checkpoints kept on disk.")

@@ -1,0 +1,265 @@
+"""A `Sandbox` runs one Python program per call in a fresh process tree and reports how it ended.
+
+Every call gets an empty working directory, a scrubbed environment (`ENV`: no keys, no paths of
+the host, a fixed hash seed so the same code gives the same result), and the limits of
+`SandboxConfig`: wall time (the call is killed), CPU seconds, address space, processes, open
+files, file size (kernel rlimits set by `prlimit`), and output bytes (killed once more arrives).
+A broken limit is a `Run` naming it, never an exception: the task turns it into a tool error.
+Calls run at once up to `pool_size`; `close()` kills those still running.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from meshrl.configs.schema import SandboxConfig
+
+ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "HOME": "/work",
+    "LANG": "C.UTF-8",
+    "PYTHONHASHSEED": "0",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "PYTHONUNBUFFERED": "1",  # what a killed program printed is still reported
+}
+# As root each call runs as its own uid/gid, UID_BASE + a rotating number below UIDS: its process
+# limit counts only its own processes, and a uid comes back only long after the host's init reaped
+# the zombies a torn-down namespace leaves (on some hosts that takes seconds).
+UID_BASE, UIDS = 200_000, 4096
+_SIGNALLED = {signal.SIGXCPU: "cpu_time", signal.SIGXFSZ: "file_size"}
+_STDERR_LIMITS = {  # how Python reports a refused allocation, fork or open
+    "MemoryError": "memory",
+    "Resource temporarily unavailable": "processes",
+    "can't start new thread": "processes",
+    "Too many open files": "open_files",
+    "File too large": "file_size",
+    "No space left on device": "workdir",
+}
+
+
+class SandboxUnavailable(RuntimeError):
+    """The configured backend cannot run here; the message says what is missing."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """How one call ended. `limit` names the limit that stopped it (None: it ended by itself)."""
+
+    stdout: str
+    stderr: str
+    exit_code: int | None  # None: killed by the sandbox (wall time, output)
+    limit: str | None
+    wall_s: float
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and self.limit is None
+
+    def report(self) -> str:
+        """The call as a tool result's text."""
+        status = f"exit status {self.exit_code}" if self.exit_code is not None else "killed"
+        if self.limit is not None:
+            status += f"; sandbox limit reached: {self.limit}"
+        return f"[{status}]\n--- stdout\n{self.stdout}\n--- stderr\n{self.stderr}"
+
+
+class Sandbox:
+    """The pool every backend shares: at most `pool_size` calls at once, each killed by `close()`."""
+
+    def __init__(self, config: SandboxConfig) -> None:
+        self.config = config
+        self._slots: list[int] = list(range(config.pool_size))
+        self._free = threading.Condition()
+        self._live: dict[int, Callable[[], None]] = {}  # slot -> how to kill its call
+        self._closed = False
+        run = self.run_python("print(6 * 7)")
+        if run.stdout.strip() != "42":
+            raise SandboxUnavailable(f"sandbox.backend {config.backend!r}: a probe program failed: {run.report()}")
+
+    def run_python(self, code: str) -> Run:
+        """Run `code` as a program; blocks while `pool_size` calls run."""
+        with self._free:
+            while not self._slots and not self._closed:
+                self._free.wait()
+            if self._closed:
+                raise SandboxUnavailable("the sandbox is closed")
+            slot = self._slots.pop()
+        try:
+            return self._run(slot, code)
+        finally:
+            with self._free:
+                self._live.pop(slot, None)
+                self._slots.append(slot)
+                self._free.notify()
+
+    def close(self) -> None:
+        """Kill every call still running; later calls are refused."""
+        with self._free:
+            self._closed = True
+            kills = list(self._live.values())
+            self._free.notify_all()
+        for kill in kills:
+            kill()
+
+    def _started(self, slot: int, kill: Callable[[], None]) -> None:
+        """Register a started call's kill; a sandbox closed meanwhile kills it at once."""
+        with self._free:
+            self._live[slot] = kill
+            closed = self._closed
+        if closed:
+            kill()
+
+    def _run(self, slot: int, code: str) -> Run:
+        raise NotImplementedError
+
+
+class ProcessSandbox(Sandbox):
+    """A backend whose call is one host process tree: `command` says how to start it; the kernel's
+    rlimits (`prlimit`) and this process's reading enforce the limits."""
+
+    def command(self, program: Path) -> list[str]:
+        raise NotImplementedError
+
+    def _limits(self, uid: int | None) -> list[str]:
+        c = self.config
+        processes = c.processes + 4  # prlimit's exec, bwrap and its namespace init
+        if uid is None:  # not root: RLIMIT_NPROC counts this user's processes elsewhere too
+            processes += len(processes_of(os.getuid()))
+        mb = 1 << 20
+        return ["prlimit", f"--cpu={c.cpu_time_s}:{c.cpu_time_s + 1}", f"--as={c.memory_mb * mb}",
+                f"--nproc={processes}", f"--nofile={c.open_files}", f"--fsize={c.file_size_mb * mb}",
+                "--"]  # fmt: skip
+
+    _calls = itertools.count()
+
+    def _run(self, slot: int, code: str) -> Run:
+        uid = UID_BASE + next(self._calls) % UIDS if os.geteuid() == 0 else None
+        with ProgramFile(code, uid) as program:
+            argv = self._limits(uid) + self.command(program.path)
+            start = time.monotonic()
+            process = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV,
+                process_group=0, close_fds=True, cwd=program.directory,
+                **({"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}),
+            )  # fmt: skip
+            self._started(slot, lambda: _kill(process))
+            try:
+                out, err, killed_for = _read(process, start + self.config.wall_time_s, self.config.output_bytes)
+            finally:
+                _kill(process)
+                if uid is not None:
+                    _wait_gone(uid)
+        stdout, stderr = (b.decode("utf-8", "replace") for b in (out, err))
+        status = None if killed_for else exit_status(process.returncode)
+        return Run(stdout, stderr, status, killed_for or limit_of(status, stderr), time.monotonic() - start)
+
+
+class ProgramFile:
+    """The program in its own host directory, which the call (as `uid`, when given) owns."""
+
+    def __init__(self, code: str, uid: int | None) -> None:
+        self.code, self.uid = code, uid
+
+    def __enter__(self) -> ProgramFile:
+        import tempfile
+
+        self.directory = tempfile.mkdtemp(prefix="meshrl-sandbox-")
+        self.path = Path(self.directory) / "main.py"
+        self.path.write_text(self.code)
+        os.chmod(self.directory, 0o755)  # readable by the call's user (policy code is no secret)
+        if self.uid is not None:  # and writable: the host backend runs in this directory
+            os.chown(self.directory, self.uid, self.uid)
+            os.chown(self.path, self.uid, self.uid)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _read(process: subprocess.Popen, deadline: float, cap: int) -> tuple[bytes, bytes, str | None]:
+    """stdout and stderr until both close; stops at the deadline ("wall_time") or past `cap`
+    bytes in all ("output")."""
+    buffers = {process.stdout: bytearray(), process.stderr: bytearray()}
+    selector = selectors.DefaultSelector()
+    for stream in buffers:
+        selector.register(stream, selectors.EVENT_READ)
+    try:
+        while selector.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return bytes(buffers[process.stdout]), bytes(buffers[process.stderr]), "wall_time"
+            for key, _ in selector.select(min(left, 0.5)):
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    selector.unregister(key.fileobj)
+                    continue
+                buffers[key.fileobj] += chunk
+                if sum(len(b) for b in buffers.values()) > cap:
+                    out, err = (bytes(b[:cap]) for b in buffers.values())
+                    return out, err, "output"
+        while process.poll() is None:  # outputs closed; the program may still run (it closed them)
+            if time.monotonic() > deadline:
+                return bytes(buffers[process.stdout]), bytes(buffers[process.stderr]), "wall_time"
+            time.sleep(0.01)
+        return bytes(buffers[process.stdout]), bytes(buffers[process.stderr]), None
+    finally:
+        selector.close()
+        for stream in buffers:
+            stream.close()
+
+
+def _kill(process: subprocess.Popen) -> None:
+    """Kill the call's whole process group (bwrap's namespace dies with it) and reap it."""
+    if process.poll() is None:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    process.wait()
+
+
+def exit_status(returncode: int) -> int:
+    """The program's exit status: a signal shows as 128 + its number, as a shell and bwrap give it."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def limit_of(status: int | None, stderr: str) -> str | None:
+    """The limit a program that exited with `status` ran into, where the status or Python's error says."""
+    if status is None or status == 0:
+        return None
+    if status > 128 and (status - 128) in _SIGNALLED:
+        return _SIGNALLED[signal.Signals(status - 128)]
+    tail = stderr[-2000:]
+    return next((limit for text, limit in _STDERR_LIMITS.items() if text in tail), None)
+
+
+def _wait_gone(uid: int, timeout_s: float = 10.0) -> None:
+    """Until no process of the call's user runs: a namespace torn down after its bwrap was killed
+    takes a moment, and the call is not over before its processes are."""
+    deadline = time.monotonic() + timeout_s
+    while processes_of(uid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def processes_of(uid: int, until: int | None = None) -> list[int]:
+    """Live (not zombie: a zombie runs nothing and the host's init reaps it) processes whose uid is
+    `uid` (or in [uid, until))."""
+    found = []
+    for entry in os.scandir("/proc"):
+        try:
+            if entry.name.isdigit() and uid <= entry.stat().st_uid < (until or uid + 1):
+                if Path(f"/proc/{entry.name}/stat").read_text().rpartition(")")[2].split()[0] != "Z":
+                    found.append(int(entry.name))
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return found

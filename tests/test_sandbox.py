@@ -1,0 +1,188 @@
+"""Code a policy wrote, run through the real bubblewrap sandbox: each hostile program is contained,
+answered with a bounded result naming the limit it broke, and leaves the host as it was."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+
+import pytest
+
+from meshrl.configs.schema import SandboxConfig
+from meshrl.sandbox import Sandbox, SandboxUnavailable, make_sandbox
+from meshrl.sandbox.core import UID_BASE, UIDS, processes_of
+
+LIMITS = {"wall_time_s": 3.0, "cpu_time_s": 1, "memory_mb": 256, "processes": 16, "file_size_mb": 1,
+          "workdir_mb": 4, "output_bytes": 4096, "pool_size": 2}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    box = make_sandbox(SandboxConfig(**LIMITS))
+    yield box
+    box.close()
+
+
+def sandbox_processes() -> list[int]:
+    """Host processes running as a sandbox call's user (as root every call has its own uid)."""
+    return processes_of(UID_BASE, UID_BASE + UIDS)
+
+
+def test_a_program_runs_in_an_empty_directory_with_nothing_of_the_host(sandbox):
+    run = sandbox.run_python("import os, sys\nprint(os.getcwd(), sorted(os.listdir('/')), os.listdir('.'))")
+    assert run.ok, run.report()
+    assert run.stdout.split(" ", 1)[0] == "/work"
+    assert "'home'" not in run.stdout and "'root'" not in run.stdout and "'etc'" not in run.stdout
+    assert run.stdout.rstrip().endswith("['main.py']")
+
+
+def test_writes_outside_the_working_directory_do_not_reach_the_host(sandbox, tmp_path):
+    victim = tmp_path / "victim.txt"
+    program = f"""
+import os
+for path in ["/usr/evil", {str(victim)!r}, "/root/.ssh/authorized_keys", "/etc/cron.d/evil"]:
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        open(path, "w").write("owned")
+        print("wrote", path)
+    except OSError as error:
+        print("refused", path, error.errno)
+"""
+    run = sandbox.run_python(program)
+    assert run.exit_code == 0, run.report()
+    assert "refused /usr/evil" in run.stdout  # read-only
+    assert not victim.exists() and not os.path.exists("/usr/evil") and not os.path.exists("/etc/cron.d/evil")
+
+
+def test_key_files_and_the_environment_of_the_run_are_not_readable(sandbox, tmp_path, monkeypatch):
+    secret = tmp_path / "server.key_secret"
+    secret.write_text("curve-secret-" + "x" * 8)
+    monkeypatch.setenv("MESHRL_TEST_TOKEN", "token-" + "y" * 8)
+    program = f"""
+import os
+print(sorted(os.environ))
+for path in [{str(secret)!r}, "/root/.bash_history", "/proc/1/environ", "/etc/shadow"]:
+    try:
+        print(open(path, errors="replace").read()[:200])
+    except OSError as error:
+        print("refused", path, error.errno)
+"""
+    run = sandbox.run_python(program)
+    shown = run.stdout + run.stderr
+    assert "curve-secret" not in shown and "token-yyyy" not in shown and "MESHRL_TEST_TOKEN" not in shown
+    assert f"refused {secret}" in run.stdout
+
+
+def test_no_socket_reaches_the_host_or_the_network(sandbox):
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    port = listener.getsockname()[1]
+    program = f"""
+import socket
+for address in [("127.0.0.1", {port}), ("1.1.1.1", 53)]:
+    try:
+        socket.create_connection(address, timeout=1).close()
+        print("connected", address)
+    except OSError as error:
+        print("refused", address, error.errno)
+"""
+    try:
+        run = sandbox.run_python(program)
+        assert "connected" not in run.stdout, run.report()
+        with pytest.raises(TimeoutError):
+            listener.accept()  # nothing came in
+    finally:
+        listener.close()
+
+
+@pytest.mark.parametrize(
+    ("program", "limits"),
+    [
+        ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", {"processes", "wall_time"}),
+        ("x = bytearray(8 << 30)", {"memory"}),
+        ("while True:\n    pass", {"cpu_time"}),
+        ("import time\ntime.sleep(3600)", {"wall_time"}),
+        ("import sys\nfor _ in range(1024):\n    sys.stdout.write('x' * (1 << 20))", {"output"}),
+        ("open('big', 'w').write('x' * (2 << 20))", {"file_size"}),
+        ("import threading, time\n[threading.Thread(target=time.sleep, args=(60,)).start() for _ in range(64)]",
+         {"processes", "wall_time"}),  # the threads it started sleep on past the deadline
+    ],
+    ids=["fork-bomb", "8GB", "busy-loop", "sleep", "1GB-of-output", "big-file", "threads"],
+)  # fmt: skip
+def test_a_program_that_breaks_a_limit_is_stopped_and_named(sandbox, program, limits):
+    run = sandbox.run_python(program)
+    assert run.limit in limits, run.report()
+    assert not run.ok and f"sandbox limit reached: {run.limit}" in run.report()
+    assert len(run.stdout.encode()) + len(run.stderr.encode()) <= 2 * LIMITS["output_bytes"]
+    assert sandbox.run_python("print('next')").stdout == "next\n"  # the sandbox goes on
+    if os.geteuid() == 0:
+        assert sandbox_processes() == []
+
+
+def test_background_processes_die_with_the_call(sandbox):
+    program = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(3600)\nprint('parent done')"
+    run = sandbox.run_python(program)
+    assert run.ok and run.stdout == "parent done\n", run.report()  # ended with its program, not at the deadline
+    if os.geteuid() == 0:
+        assert sandbox_processes() == []
+
+
+def test_the_same_code_gives_the_same_result(sandbox):
+    program = "print(hash('abc'), list({'b', 'a', 'c', 'd'}))"
+    first, second = sandbox.run_python(program), sandbox.run_python(program)
+    assert first.ok and (first.stdout, first.stderr) == (second.stdout, second.stderr)
+
+
+def test_calls_run_at_once_up_to_the_pool_size_and_close_kills_the_rest():
+    box = make_sandbox(SandboxConfig(**{**LIMITS, "wall_time_s": 60.0, "cpu_time_s": 60}))
+    running, most, lock = [0], [0], threading.Lock()
+    inner = box._run
+
+    def counted(slot: int, code: str):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        try:
+            return inner(slot, code)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    box._run = counted
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(box.run_python("import time\ntime.sleep(0.3)")))
+               for _ in range(5)]  # fmt: skip
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert most[0] <= LIMITS["pool_size"] and all(r.ok for r in results) and len(results) == 5
+    hung: list = []
+    thread = threading.Thread(target=lambda: hung.append(box.run_python("while True:\n    pass")))
+    thread.start()
+    while running[0] == 0:
+        threading.Event().wait(0.05)
+    box.close()  # as the generator does when the run ends
+    thread.join(timeout=30)
+    assert hung and hung[0].exit_code != 0 and not thread.is_alive()
+    with pytest.raises(SandboxUnavailable, match="closed"):
+        box.run_python("print(1)")
+
+
+def test_a_missing_sandbox_is_refused_naming_what_to_install(monkeypatch):
+    with pytest.raises(SandboxUnavailable, match="no such interpreter"):
+        make_sandbox(SandboxConfig(python="/no/python3"))
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(SandboxUnavailable, match="apt-get install bubblewrap"):
+        make_sandbox(SandboxConfig())
+
+
+def test_no_sandbox_only_when_asked_and_loudly(caplog):
+    with caplog.at_level(logging.WARNING):
+        box: Sandbox = make_sandbox(SandboxConfig(**{**LIMITS, "backend": "none"}))
+    assert "UNSANDBOXED" in caplog.text
+    run = box.run_python("print(6 * 7)")
+    assert run.ok and run.stdout == "42\n"
+    assert box.run_python("while True:\n    pass").limit == "cpu_time"  # the limits still hold
