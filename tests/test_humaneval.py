@@ -1,0 +1,83 @@
+"""HumanEval through the real sandbox: the harness passes every canonical solution and fails a wrong
+one; a scripted two-turn episode (run code, then answer) goes through the run's chat format, its
+tool call runs sandboxed, and the hidden tests reach no message."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from meshrl.inference.completion import Completion
+from meshrl.models.tiny import build_tokenizer
+from meshrl.rollouts.episodes import EpisodeFormat
+from meshrl.sandbox import SandboxUnavailable
+from meshrl.tasks.base import Ending
+from meshrl.tasks.humaneval import HumanEvalTask
+
+FIRST = "HumanEval/0"
+
+
+@pytest.fixture(scope="module")
+def task() -> HumanEvalTask:
+    return HumanEvalTask(split="all", sandbox={"pool_size": 4})
+
+
+def answered(task: HumanEvalTask, task_id: str, answer: str) -> float:
+    prompt = task.prompt(task_id)
+    return task.score(prompt, [*prompt.messages, {"role": "assistant", "content": answer}], Ending("agent_completed", "stop")).reward  # fmt: skip
+
+
+def test_every_canonical_solution_passes_and_a_wrong_answer_fails(task):
+    def check(task_id: str) -> tuple[float, float]:
+        problem = task.problems[task_id]
+        body = answered(task, task_id, f"Here it is:\n```python\n{problem['canonical_solution']}```")
+        wrong = answered(task, task_id, f"def {problem['entry_point']}(*args):\n    return None\n")
+        return body, wrong
+
+    with ThreadPoolExecutor(4) as pool:
+        results = dict(zip(task.problems, pool.map(check, task.problems)))
+    assert len(results) == 164
+    assert [k for k, (body, _) in results.items() if body != 1.0] == []
+    assert [k for k, (_, wrong) in results.items() if wrong != 0.0] == []
+    whole = task.problems[FIRST]
+    assert answered(task, FIRST, whole["prompt"] + whole["canonical_solution"]) == 1.0  # a complete function too
+
+
+def test_the_splits_are_disjoint_and_fixed():
+    train, test = (HumanEvalTask(split=s, sandbox={"backend": "none"}).problems for s in ("train", "test"))
+    assert (len(train), len(test)) == (131, 33) and not set(train) & set(test)
+    with pytest.raises(ValueError, match="task.kwargs.split 'dev'"):
+        HumanEvalTask(split="dev")
+
+
+def test_a_coding_episode_runs_its_code_in_the_sandbox_and_is_scored_on_hidden_tests(task):
+    tokenizer = build_tokenizer(512, "hermes")
+    episodes = EpisodeFormat(tokenizer, task)
+    prompt = task.prompt(FIRST)
+    problem = task.problems[FIRST]
+    rollout = episodes.start(prompt)
+    probe = "import os\nprint(sorted(os.listdir('/')), 6 * 7)\nopen('/etc/x', 'w')"
+    turns = [
+        "<tool_call>\n" + json.dumps({"name": "run_python", "arguments": {"code": probe}}) + "\n</tool_call>",
+        f"```python\n{problem['prompt']}{problem['canonical_solution']}```",
+    ]
+    for text in turns:
+        ids = [*tokenizer(text, add_special_tokens=False)["input_ids"], *episodes.stop_ids]
+        calls = episodes.add_turn(rollout, Completion(rollout.token_ids, ids, [0.0] * len(ids), "stop"))
+        if episodes.goes_on(rollout, calls):
+            episodes.add_tool_results(rollout, calls, [episodes.call_tool(rollout, c) for c in calls])
+    episodes.score(rollout)
+    tool = rollout.messages[3]
+    assert tool["role"] == "tool" and tool["is_error"]  # it wrote outside its directory: an error result
+    assert "42" in tool["content"] and "'home'" not in tool["content"]  # it ran, sandboxed
+    assert rollout.reward == 1.0 and rollout.score.metrics == {"compiles": 1.0, "tool_calls": 1.0}
+    hidden = problem["test"].strip().splitlines()[-1].strip()  # a line of the hidden tests
+    assert not any(hidden in (m.get("content") or "") for m in rollout.messages)
+    assert prompt.info == {}  # a lease carries messages and info only
+
+
+def test_without_a_sandbox_the_task_refuses_to_start():
+    with pytest.raises(SandboxUnavailable, match="sandbox.python '/no/python3'"):
+        HumanEvalTask(sandbox={"python": "/no/python3"})
