@@ -9,7 +9,7 @@ import random
 import threading
 import time
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from email.utils import format_datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -262,7 +262,7 @@ def test_retries_are_bounded_and_back_off_exponentially(endpoint, client):
 
 
 PAST = format_datetime(datetime(2020, 1, 1, tzinfo=UTC), usegmt=True)
-FUTURE = format_datetime(datetime.now(UTC) + timedelta(days=1), usegmt=True)
+FUTURE = format_datetime(datetime(2100, 1, 1, tzinfo=UTC), usegmt=True)  # fixed: xdist workers collect the same ids
 
 
 @pytest.mark.parametrize(
