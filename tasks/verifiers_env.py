@@ -199,6 +199,8 @@ class VerifiersTask:
                 )
             if getattr(toolset.config, "url", None) or not isinstance(toolset.config.runtime, vf.SubprocessConfig):
                 raise ValueError(f"task.kwargs.env {self.env!r}: toolset {kind} runs remotely or in a sandbox")
+            if getattr(toolset.config, "colocated", False):  # it expects the agent's box, which meshrl has not
+                raise ValueError(f"task.kwargs.env {self.env!r}: toolset {kind} is colocated with the agent's runtime")
             if name in self._servers:
                 raise ValueError(f"task.kwargs.env {self.env!r}: two toolsets are named {name!r} (TOOL_PREFIX)")
             await toolset.setup()

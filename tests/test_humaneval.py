@@ -5,6 +5,7 @@ tool call runs sandboxed, and the hidden tests reach no message."""
 from __future__ import annotations
 
 import json
+import random
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -45,11 +46,28 @@ def test_every_canonical_solution_passes_and_a_wrong_answer_fails(task):
     assert answered(task, FIRST, whole["prompt"] + whole["canonical_solution"]) == 1.0  # a complete function too
 
 
-def test_the_splits_are_disjoint_and_fixed():
-    train, test = (HumanEvalTask(split=s, sandbox={"backend": "none"}).problems for s in ("train", "test"))
-    assert (len(train), len(test)) == (131, 33) and not set(train) & set(test)
+@pytest.mark.parametrize(
+    "answer",
+    ["raise SystemExit(0)", "import sys\nsys.exit(0)", "import os\nos._exit(0)", "exit()",
+     "import os\nos.execv('/bin/true', ['true'])", "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)",
+     "import subprocess\nsubprocess.run(['kill', '-9', str(__import__('os').getppid())])",
+     "import threading, os\nthreading.Thread(target=lambda: os._exit(0)).start()"],
+)  # fmt: skip
+def test_an_answer_that_ends_the_program_before_the_tests_does_not_pass(task, answer):
+    assert answered(task, FIRST, answer) == 0.0
+
+
+def test_the_splits_are_disjoint_and_evaluation_takes_the_held_out_problems(task):
+    train = HumanEvalTask(split="train", sandbox={"backend": "none"})
+    assert (len(train.split_ids), len(train.eval_ids)) == (131, 33) and not set(train.split_ids) & set(train.eval_ids)
+    drawn = {p.prompt_id for p in train.sample_prompts(random.Random(0), 200)}
+    assert drawn <= set(train.split_ids)
+    assert [p.prompt_id for p in train.eval_prompts(random.Random(1), 100)] == train.eval_ids
+    assert train.eval_ids[:2] == ["HumanEval/0", "HumanEval/5"]
     with pytest.raises(ValueError, match="task.kwargs.split 'dev'"):
         HumanEvalTask(split="dev")
+    one_turn = HumanEvalTask(run_python=False, sandbox={"backend": "none"})
+    assert (one_turn.tools, one_turn.max_turns) == ([], 1)
 
 
 def test_a_coding_episode_runs_its_code_in_the_sandbox_and_is_scored_on_hidden_tests(task):
