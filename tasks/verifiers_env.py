@@ -35,7 +35,10 @@ from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
+from meshrl.configs.schema import SandboxConfig
+from meshrl.sandbox import make_sandbox
 from meshrl.tasks.base import Ending, Prompt, Score, ToolResult
+from meshrl.tasks.verifiers_runtime import SandboxRuntime
 
 try:
     import verifiers.v1 as vf
@@ -122,8 +125,9 @@ def _needs_runtime(fn: Any) -> bool:
     return param is not None and param.default is inspect.Parameter.empty
 
 
-def _refusals(task: vf.Task) -> list[str]:
-    """What of a v1 task's class and config needs verifiers' own rollout path (empty: it runs here)."""
+def _refusals(task: vf.Task, sandboxed: bool) -> list[str]:
+    """What of a v1 task's class and config needs verifiers' own rollout path (empty: it runs here).
+    Signals that take a runtime run in meshrl's sandbox when the task has one (`sandboxed`)."""
     kind = type(task)
     reasons = [f"{kind.__name__}.{hook} is overridden" for hook in ("setup", "finalize", "stage_verifier")
                if getattr(kind, hook) is not getattr(vf.Task, hook)]  # fmt: skip
@@ -134,7 +138,8 @@ def _refusals(task: vf.Task) -> list[str]:
     reasons += [f"@vf.stop {fn.__name__} reads a request or response" for fn in task.hooks("stop")
                 if hook_boundary(fn, allow_trace=True) is not vf.Trace]  # fmt: skip
     signals = [*task.hooks("metric"), *task.hooks("reward"), *(j.score for j in task.plugged_judges())]
-    reasons += [f"{getattr(fn, '__name__', fn)} needs the task's runtime" for fn in signals if _needs_runtime(fn)]
+    reasons += [f"{getattr(fn, '__name__', fn)} needs the task's runtime (set task.kwargs.sandbox)"
+                for fn in signals if _needs_runtime(fn) and not sandboxed]  # fmt: skip
     return reasons
 
 
@@ -146,9 +151,11 @@ class VerifiersTask:
 
     def __init__(
         self, env: str, args: dict[str, Any] | None = None, max_turns: int = 4, max_tasks: int = 10_000,
-        eval_tasks: int = 0,
+        eval_tasks: int = 0, sandbox: dict[str, Any] | None = None,
     ) -> None:  # fmt: skip
         self.env, self.max_turns = env, max_turns
+        # Signals that take a runtime get a SandboxRuntime over this (each of its runs a sandbox call).
+        self.sandbox = make_sandbox(SandboxConfig(**sandbox)) if sandbox is not None else None
         module = _module(env)
         (envs, tasksets) = (_exported(module, vf.Env), _exported(module, vf.Taskset))
         if envs:
@@ -173,7 +180,7 @@ class VerifiersTask:
         checked: set[tuple[type, int]] = set()  # hooks belong to a task's class and config: check each pair once
         for task in tasks:
             kind = (type(task), id(task.config))
-            reasons = [] if kind in checked else _refusals(task)
+            reasons = [] if kind in checked else _refusals(task, self.sandbox is not None)
             checked.add(kind)
             if task.data.prompt is None:
                 reasons.append("its prompt is unset (a user simulator opens the conversation)")
@@ -298,7 +305,8 @@ class VerifiersTask:
     def score(self, prompt: Prompt, messages: list[dict[str, Any]], ending: Ending) -> Score:
         task, trace = self._task(prompt), self._trace(prompt, messages, ending)
         # A failing or timed-out signal raises (vf.TaskError, TimeoutError): the generator fails loudly.
-        self._loop.run(asyncio.wait_for(task.score(trace), task.data.timeout.scoring))
+        runtime = SandboxRuntime(self.sandbox) if self.sandbox is not None else None
+        self._loop.run(asyncio.wait_for(task.score(trace, runtime), task.data.timeout.scoring))
         components = {name: r.score for name, r in trace.rewards.items() if r is not None}
         metrics = {name: v for name, v in trace.metrics.items() if v is not None}
         return Score(trace.reward, components, metrics)

@@ -4,6 +4,7 @@ with a stop hook; vf_calc.py, an MCP toolset) and the shipped example, in proces
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -15,12 +16,15 @@ import pytest
 
 pytest.importorskip("verifiers.v1")  # the [verifiers] extra (in [dev], so CI runs these)
 
+from verifiers.v1.errors import SandboxError
+
 from meshrl.inference.completion import Completion
 from meshrl.models.tiny import build_tokenizer
 from meshrl.rollouts.batches import rollout_trace
 from meshrl.rollouts.episodes import EpisodeFormat, rubric_means
 from meshrl.tasks.base import Ending
 from meshrl.tasks.verifiers_env import VerifiersTask
+from meshrl.tasks.verifiers_runtime import SandboxRuntime
 from meshrl.traces.collator import TraceCollator
 from meshrl.traces.errors import ErrorClassifier
 
@@ -181,3 +185,23 @@ def test_train_on_a_verifiers_taskset_through_real_meshes(tmp_path):
     assert records[-1]["eval/reward_sampled"] == pytest.approx(
         records[-1]["eval/rubric/correct"] + 0.5 * records[-1]["eval/rubric/short"]
     )
+
+
+def test_a_reward_that_runs_code_uses_the_sandbox_as_its_runtime():
+    """vf_code's reward writes the answer and a test through `runtime.write` and runs the test with
+    `runtime.run`: refused without a sandbox, run in it with one (each run a fresh sandbox call)."""
+    with pytest.raises(ValueError, match=r"tests_pass needs the task's runtime \(set task.kwargs.sandbox\)"):
+        VerifiersTask("vf_code")
+    task = VerifiersTask("vf_code", sandbox={"pool_size": 2, "wall_time_s": 3.0})
+    (prompt,) = task.sample_prompts(random.Random(0), 1)
+
+    def reward(answer: str) -> float:
+        return task.score(prompt, [*prompt.messages, {"role": "assistant", "content": answer}],
+                          Ending("agent_completed", "stop")).reward  # fmt: skip
+
+    assert reward("def square(x):\n    return x * x\n") == 1.0
+    assert reward("def square(x):\n    return x + x\n") == 0.0
+    assert reward("def square(x):\n    return x * x\nwhile True:\n    pass\n") == 0.0  # killed at a limit
+    runtime = SandboxRuntime(task.sandbox)
+    with pytest.raises(SandboxError, match="only in its working directory"):
+        asyncio.run(runtime.write("/etc/cron.d/x", b"owned"))
