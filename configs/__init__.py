@@ -6,10 +6,12 @@ from meshrl.configs.schema import (
     DppoKlLoss,
     IpoLoss,
     LossConfig,
+    MisLoss,
     RefKlLoss,
     ReplayChannel,
     RunConfig,
     SdpoChannel,
+    TisLoss,
 )
 
 __all__ = [
@@ -18,10 +20,12 @@ __all__ = [
     "DppoKlLoss",
     "IpoLoss",
     "LossConfig",
+    "MisLoss",
     "RefKlLoss",
     "ReplayChannel",
     "RunConfig",
     "SdpoChannel",
+    "TisLoss",
     "load_config",
     "to_toml",
 ]

@@ -412,6 +412,43 @@ class RefKlLoss(LossBase):
         return self
 
 
+class TisLoss(LossBase):
+    type: Literal["tis"] = Field(
+        "tis", description="Truncated importance sampling toward the sampler (TRL's token/sequence_truncate)."
+    )
+    level: Literal["token", "sequence"] = Field(
+        "token", description="Weight per token, or one per sample (the product of its tokens' weights)."
+    )
+    cap: float = Field(
+        2.0, gt=0, description="Importance weights above this count as this (TRL: vllm_importance_sampling_cap)."
+    )
+    adv_tau: float = Field(1.0, ge=0, description="Scale of the advantage term.")
+    kl_tau: float = Field(1e-3, ge=0, description="Scale of the squared log-ratio KL to the inference policy.")
+
+
+class MisLoss(LossBase):
+    type: Literal["mis"] = Field(
+        "mis", description="Masked importance sampling (IcePop-style; TRL's token/sequence_mask)."
+    )
+    level: Literal["token", "sequence"] = Field(
+        "token", description="Mask per token, or the whole sample (by the product of its tokens' weights)."
+    )
+    low: float = Field(
+        0.125, gt=0, description="Tokens (samples) whose importance weight is below this get no gradient."
+    )
+    high: float = Field(
+        8.0, gt=0, description="Tokens (samples) whose importance weight is above this get no gradient."
+    )
+    adv_tau: float = Field(1.0, ge=0, description="Scale of the advantage term.")
+    kl_tau: float = Field(1e-3, ge=0, description="Scale of the squared log-ratio KL to the inference policy.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> MisLoss:
+        if not self.low < 1 < self.high:
+            raise ValueError(f"loss.low {self.low} and loss.high {self.high} must bracket 1 (an on-policy token)")
+        return self
+
+
 class CustomLoss(LossBase):
     type: Literal["custom"] = Field("custom", description="A PRIME-RL loss hook by import path.")
     import_path: str = Field(
@@ -424,7 +461,7 @@ class CustomLoss(LossBase):
     _kwargs_have_no_nulls = field_validator("kwargs")(_no_nulls)
 
 
-LossConfig = Annotated[DppoKlLoss | IpoLoss | RefKlLoss | CustomLoss, Field(discriminator="type")]
+LossConfig = Annotated[DppoKlLoss | IpoLoss | RefKlLoss | TisLoss | MisLoss | CustomLoss, Field(discriminator="type")]
 
 
 # --------------------------------------------------------------------------- teachers

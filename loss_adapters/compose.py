@@ -26,7 +26,8 @@ import torch
 from torch import Tensor, nn
 
 from meshrl.configs.imports import import_object
-from meshrl.configs.schema import CustomLoss, DppoKlLoss, IpoLoss, LossConfig, RefKlLoss
+from meshrl.configs.schema import CustomLoss, DppoKlLoss, IpoLoss, LossConfig, MisLoss, RefKlLoss, TisLoss
+from meshrl.loss_adapters.corrections import mis_loss_fn, tis_loss_fn
 from meshrl.loss_adapters.logprobs import hidden_states, lm_head_weight, sequence_token_logprobs
 from meshrl.loss_adapters.prime_rl import LossInputs, LossOutputs, ipo_loss_fn, loss_fn, ref_kl_loss_fn
 from meshrl.loss_adapters.replay import replay_loss
@@ -56,6 +57,11 @@ def rl_loss_fn(config: LossConfig) -> Callable[[LossInputs], LossOutputs]:
         return partial(ipo_loss_fn, ipo_threshold=config.ipo_threshold, adv_tau=config.adv_tau, kl_tau=config.kl_tau)
     if isinstance(config, RefKlLoss):
         return partial(ref_kl_loss_fn, mask_low=config.mask_low, kl_tau=config.kl_tau)
+    if isinstance(config, TisLoss):
+        return partial(tis_loss_fn, level=config.level, cap=config.cap, adv_tau=config.adv_tau, kl_tau=config.kl_tau)
+    if isinstance(config, MisLoss):
+        return partial(mis_loss_fn, level=config.level, low=config.low, high=config.high, adv_tau=config.adv_tau,
+                       kl_tau=config.kl_tau)  # fmt: skip
     if isinstance(config, CustomLoss):
         try:
             fn = import_object(config.import_path)

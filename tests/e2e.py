@@ -58,6 +58,8 @@ LOSS_SWAPS = {
     "custom": ["--loss.type", "custom", "--loss.import-path", "meshrl.loss_adapters.prime_rl.loss_fn",
                "--loss.kwargs", '{"kl_tau": 0.01}'],
     "ref_kl": ["@", str(REPO / "configs" / "ref_kl.toml")],  # the shipped preset
+    "tis": ["--loss.type", "tis", "--loss.level", "sequence", "--loss.cap", "1.5"],
+    "mis": ["--loss.type", "mis", "--loss.low", "0.5", "--loss.high", "2"],
 }  # fmt: skip
 
 
@@ -75,6 +77,9 @@ def assert_loss_swap(out: Path, swap: str) -> None:
         assert config.loss.type == swap
         if swap == "ref_kl":  # the trainer's frozen reference scored every step's rows
             assert all("ref_kl" in r and "ref_kl/is_masked" in r for r in metrics)
+        if swap in ("tis", "mis"):  # the correction's metrics on every step that trained RL rows
+            trained = [r for r in metrics if "loss/rl" in r]  # a step whose groups all tied trains no RL row
+            assert trained and all(f"{swap}/ratio_mean" in r and "mismatch_kl" in r for r in trained)
         if swap == "custom":
             assert config.loss.import_path == "meshrl.loss_adapters.prime_rl.loss_fn"
             assert config.loss.kwargs == {"kl_tau": 0.01}

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from e2e import ENV, MESHRL, REPO, SMALL, free_address, records
+from e2e import ENV, LOSS_SWAPS, MESHRL, REPO, SMALL, assert_loss_swap, free_address, records
 
 from meshrl.ingress.keys import generate_keys
 
@@ -51,7 +51,7 @@ def test_run_with_outside_workers_a_killed_one_and_a_resume(tmp_path):
         "--output-dir", str(out), "--task.prompts_per_step", "4", "--ckpt.interval", "3",
         "--ingress.bind", address, "--ingress.server_key", str(keys / "server.key_secret"),
         "--ingress.authorized_keys", str(keys / "authorized"), "--ingress.groups_per_step", "2",
-        "--ingress.lease_timeout_s", "4", "--teachers.members", "[]",
+        "--ingress.lease_timeout_s", "4", "--teachers.members", "[]", *LOSS_SWAPS["tis"],
     ]  # fmt: skip
     logs = {name: tmp_path / f"{name}.log" for name in ("a", "b", "stranger")}
     # All three wait for the controller (retrying); the stranger is refused at its first handshake.
@@ -100,6 +100,7 @@ def test_run_with_outside_workers_a_killed_one_and_a_resume(tmp_path):
         assert [r["step"] for r in metrics] == list(range(15))
         assert sum(r["rollouts/external"] for r in metrics[9:]) > 0
         assert metrics[-1]["ingress/accepted"] > part1[-1]["ingress/accepted"]  # counters carried over the resume
+        assert_loss_swap(out, "tis")  # outside workers' rollouts trained with truncated importance sampling
         assert not [k for k in metrics[-1] if k.startswith("ingress/rejected/")]
         assert workers["a"].poll() is None
         workers["a"].send_signal(signal.SIGTERM)

@@ -23,13 +23,13 @@ pytest.importorskip("torchft")  # the [islands] extra (in [dev], so CI runs thes
 from meshrl.trainer.islands import model_fragments, serve_lighthouse
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
-from e2e import ENV, MESHRL, REPO, SMALL
+from e2e import ENV, LOSS_SWAPS, MESHRL, REPO, SMALL, assert_loss_swap
 
 STEPS, H = 24, 2
 ISLAND = [*SMALL, "--max-steps", str(STEPS), "--ckpt.interval", "2",
           "--loss.replay.weight", "0", "--loss.sdpo.weight", "0", "--teachers.members", "[]",
           "--trainer.diloco.sync_every", str(H), "--trainer.diloco.host", "localhost",
-          "--trainer.diloco.timeout_s", "20", "--trainer.diloco.quorum_timeout_s", "120"]  # fmt: skip
+          "--trainer.diloco.timeout_s", "20", "--trainer.diloco.quorum_timeout_s", "120", *LOSS_SWAPS["mis"]]  # fmt: skip
 
 
 def records(out: Path) -> list[dict]:
@@ -116,6 +116,8 @@ def test_two_islands_sync_survive_a_death_and_heal_on_resume(tmp_path):
     assert shared and all(crc_a[s] == crc_b[s] for s in shared)
     # after the resume b rejoined (healed from a) and synced with it again
     assert any(r["step"] > killed_at and r["diloco/islands"] == 2 for r in rb)
+    assert_loss_swap(a_out, "mis")  # both islands trained with masked importance sampling
+    assert_loss_swap(b_out, "mis")
 
 
 @pytest.mark.network  # a lighthouse and torchft's stores on loopback
