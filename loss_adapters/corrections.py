@@ -37,7 +37,7 @@ def _weights(inputs: Any, level: Level) -> Tensor:
 
 
 def _loss(inputs: Any, coefficient: Tensor, log_ratio: Tensor, adv_tau: float, kl_tau: float) -> Tensor:
-    """Σ_t [−adv_tau·A_t·c_t·log π_train(t) + kl_tau·(log r_t)²]·w_t over the loss mask."""
+    """Σ_t [−adv_tau·A_t·c_t·log π_train(t) + kl_tau·(log r_t)²]·loss_weight_t over the loss mask."""
     mask = inputs.loss_mask
     per_token = -(adv_tau * inputs.advantages * coefficient.detach() * inputs.trainer_logprobs) + kl_tau * log_ratio**2
     per_token = per_token * mask
@@ -50,7 +50,7 @@ def _loss(inputs: Any, coefficient: Tensor, log_ratio: Tensor, adv_tau: float, k
 def _ratio_metrics(prefix: str, w: Tensor, mask: Tensor, mismatch_kl: Tensor) -> dict[str, Tensor]:
     return {
         f"{prefix}/ratio_mean": _safe_mean(w, mask),
-        f"{prefix}/ratio_max": (w * mask).max(),
+        f"{prefix}/ratio_max": w.masked_fill(~mask, 0).max(),  # (w * mask) is NaN where w overflowed
         "mismatch_kl": _safe_mean(mismatch_kl, mask),
     }
 

@@ -8,6 +8,7 @@ nobody user, and the config's limits as Docker's (`mem_limit`, `pids_limit`, `ul
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -39,13 +40,14 @@ class ContainerSandbox(Sandbox):
                 working_dir="/work", user="65534:65534", environment=ENV, cap_drop=["ALL"],
                 security_opt=["no-new-privileges"], mem_limit=c.memory_mb * mb, memswap_limit=c.memory_mb * mb,
                 pids_limit=c.processes, nano_cpus=1_000_000_000,
+                log_config={"type": "json-file", "config": {"max-size": str(2 * c.output_bytes)}},
                 tmpfs={"/work": f"size={c.workdir_mb}m,uid=65534", "/tmp": f"size={c.workdir_mb}m"},
                 volumes={str(program.path): {"bind": "/work/main.py", "mode": "ro"}},
                 ulimits=[ulimit(name="cpu", soft=c.cpu_time_s, hard=c.cpu_time_s + 1),
                          ulimit(name="nofile", soft=c.open_files, hard=c.open_files),
                          ulimit(name="fsize", soft=c.file_size_mb * mb, hard=c.file_size_mb * mb)],
             )  # fmt: skip
-            self._started(slot, container.kill)
+            self._started(slot, lambda: _quietly(container.kill, self.docker.errors.APIError))
             try:
                 return self._finish(container, start)
             finally:
@@ -57,10 +59,17 @@ class ContainerSandbox(Sandbox):
             status: int | None = container.wait(timeout=c.wall_time_s)["StatusCode"]
             limit = None
         except Exception:  # noqa: BLE001 - the SDK raises the HTTP client's timeout: the deadline passed
-            container.kill()
+            with contextlib.suppress(self.docker.errors.APIError):  # it may have just exited
+                container.kill()
             status, limit = None, "wall_time"
         out, err = (container.logs(stdout=s, stderr=not s) for s in (True, False))
         if len(out) + len(err) > c.output_bytes:
             out, err, limit = out[: c.output_bytes], err[: c.output_bytes], limit or "output"
         stdout, stderr = (b.decode("utf-8", "replace") for b in (out, err))
         return Run(stdout, stderr, status, limit or limit_of(status, stderr), time.monotonic() - start)
+
+
+def _quietly(action: Any, errors: type[Exception]) -> None:
+    """`close()` kills every live call: one whose container is already gone is no error."""
+    with contextlib.suppress(errors):
+        action()

@@ -10,8 +10,10 @@ Calls run at once up to `pool_size`; `close()` kills those still running.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
+import random
 import selectors
 import shutil
 import signal
@@ -36,7 +38,9 @@ ENV = {
 # limit counts only its own processes, and a uid comes back only long after the host's init reaped
 # the zombies a torn-down namespace leaves (on some hosts that takes seconds).
 UID_BASE, UIDS = 200_000, 4096
-_SIGNALLED = {signal.SIGXCPU: "cpu_time", signal.SIGXFSZ: "file_size"}
+# The kernel sends SIGXCPU at cpu_time_s and SIGKILL at cpu_time_s + 1 (a program that ignores
+# SIGXCPU); the sandbox's own kills are named before an exit status is read.
+_SIGNALLED = {signal.SIGXCPU: "cpu_time", signal.SIGKILL: "cpu_time", signal.SIGXFSZ: "file_size"}
 _STDERR_LIMITS = {  # how Python reports a refused allocation, fork or open
     "MemoryError": "memory",
     "Resource temporarily unavailable": "processes",
@@ -127,23 +131,38 @@ class ProcessSandbox(Sandbox):
     """A backend whose call is one host process tree: `command` says how to start it; the kernel's
     rlimits (`prlimit`) and this process's reading enforce the limits."""
 
+    def __init__(self, config: SandboxConfig) -> None:
+        if not Path(config.python).is_file():
+            raise SandboxUnavailable(f"sandbox.python {config.python!r}: no such interpreter")
+        self._uids = itertools.count(random.randrange(UIDS))  # processes of one host start apart
+        super().__init__(config)
+
     def command(self, program: Path) -> list[str]:
         raise NotImplementedError
 
     def _limits(self, uid: int | None) -> list[str]:
         c = self.config
         processes = c.processes + 4  # prlimit's exec, bwrap and its namespace init
-        if uid is None:  # not root: RLIMIT_NPROC counts this user's processes elsewhere too
-            processes += len(processes_of(os.getuid()))
+        if uid is None:  # not root: RLIMIT_NPROC counts this user's threads elsewhere too
+            processes += _threads_of(os.getuid())
         mb = 1 << 20
         return ["prlimit", f"--cpu={c.cpu_time_s}:{c.cpu_time_s + 1}", f"--as={c.memory_mb * mb}",
                 f"--nproc={processes}", f"--nofile={c.open_files}", f"--fsize={c.file_size_mb * mb}",
                 "--"]  # fmt: skip
 
-    _calls = itertools.count()
+    def _uid(self) -> int | None:
+        """As root, a uid of the range that no process runs as (another sandbox of this host may
+        be using the ones next to it); else None (the run's own user)."""
+        if os.geteuid() != 0:
+            return None
+        for _ in range(UIDS):
+            uid = UID_BASE + next(self._uids) % UIDS
+            if not processes_of(uid):
+                return uid
+        raise SandboxUnavailable(f"every sandbox uid {UID_BASE}..{UID_BASE + UIDS - 1} is in use")
 
     def _run(self, slot: int, code: str) -> Run:
-        uid = UID_BASE + next(self._calls) % UIDS if os.geteuid() == 0 else None
+        uid = self._uid()
         with ProgramFile(code, uid) as program:
             argv = self._limits(uid) + self.command(program.path)
             start = time.monotonic()
@@ -158,7 +177,7 @@ class ProcessSandbox(Sandbox):
             finally:
                 _kill(process)
                 if uid is not None:
-                    _wait_gone(uid)
+                    _kill_all(uid)
         stdout, stderr = (b.decode("utf-8", "replace") for b in (out, err))
         status = None if killed_for else exit_status(process.returncode)
         return Run(stdout, stderr, status, killed_for or limit_of(status, stderr), time.monotonic() - start)
@@ -175,11 +194,15 @@ class ProgramFile:
 
         self.directory = tempfile.mkdtemp(prefix="meshrl-sandbox-")
         self.path = Path(self.directory) / "main.py"
-        self.path.write_text(self.code)
-        os.chmod(self.directory, 0o755)  # readable by the call's user (policy code is no secret)
-        if self.uid is not None:  # and writable: the host backend runs in this directory
-            os.chown(self.directory, self.uid, self.uid)
-            os.chown(self.path, self.uid, self.uid)
+        try:
+            self.path.write_text(self.code)
+            os.chmod(self.directory, 0o755)  # readable by the call's user (policy code is no secret)
+            if self.uid is not None:  # and writable: the host backend runs in this directory
+                os.chown(self.directory, self.uid, self.uid)
+                os.chown(self.path, self.uid, self.uid)
+        except BaseException:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -243,17 +266,29 @@ def limit_of(status: int | None, stderr: str) -> str | None:
     return next((limit for text, limit in _STDERR_LIMITS.items() if text in tail), None)
 
 
-def _wait_gone(uid: int, timeout_s: float = 10.0) -> None:
-    """Until no process of the call's user runs: a namespace torn down after its bwrap was killed
-    takes a moment, and the call is not over before its processes are."""
+def _kill_all(uid: int, timeout_s: float = 10.0) -> None:
+    """Kill what still runs as the call's user (a process that left the process group; with
+    bwrap, a namespace being torn down) and wait until none does: a call is over with its processes."""
     deadline = time.monotonic() + timeout_s
-    while processes_of(uid) and time.monotonic() < deadline:
+    while (left := processes_of(uid)) and time.monotonic() < deadline:
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
         time.sleep(0.01)
+
+
+def _threads_of(uid: int) -> int:
+    """Threads of the user's processes: what RLIMIT_NPROC counts."""
+    count = 0
+    for pid in processes_of(uid):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            count += len(os.listdir(f"/proc/{pid}/task"))
+    return count
 
 
 def processes_of(uid: int, until: int | None = None) -> list[int]:
     """Live (not zombie: a zombie runs nothing and the host's init reaps it) processes whose uid is
-    `uid` (or in [uid, until))."""
+    `uid`, or in [uid, until)."""
     found = []
     for entry in os.scandir("/proc"):
         try:

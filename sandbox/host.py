@@ -11,15 +11,13 @@ import logging
 from pathlib import Path
 
 from meshrl.configs.schema import SandboxConfig
-from meshrl.sandbox.core import ProcessSandbox, SandboxUnavailable
+from meshrl.sandbox.core import ProcessSandbox
 
 log = logging.getLogger(__name__)
 
 
 class HostSandbox(ProcessSandbox):
     def __init__(self, config: SandboxConfig) -> None:
-        if not Path(config.python).is_file():
-            raise SandboxUnavailable(f"sandbox.python {config.python!r}: no such interpreter")
         log.warning(
             "sandbox.backend = 'none': code the policy writes runs UNSANDBOXED on this host "
             "(it can read the run's files and reach the network); only the resource limits apply"

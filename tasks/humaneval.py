@@ -30,35 +30,59 @@ SYSTEM = (
     "function in one ```python block and no tool call."
 )
 ONE_TURN = "You write Python. Answer with the complete function in one ```python block."
-# Runs an answer with the tests: exit status 0 only when the tests ran to their end, 1 when they
-# failed (or the answer raised, exited or tried to), 2 when it does not compile. The answer cannot
-# exit, kill, exec or fork this process early with a status of its own (sys.exit, os._exit,
-# os.kill, os.exec*, os.fork are replaced while it runs); one that reaches libc or the
-# interpreter's internals (ctypes, frames) still could: watch held-out pass@k, not the reward.
+# Runs an answer, then the tests: exit status 0 only when the tests ran to their end, 1 when they
+# failed (or the answer raised, exited or tried to), 2 when it does not compile. While they run,
+# exiting, killing, exec and fork are refused (os and posix), and the scorer's own exit is out of
+# the answer's namespaces. The tests run in their own namespace (the problem's prompt, for its
+# helpers, then the tests) on the answer's function through a wrapper that turns every result
+# into a plain literal (repr, then ast.literal_eval), so an object whose __eq__ always agrees, or
+# a builtin the answer shadowed, does not pass them. Not stopped: an answer that monkeypatches a
+# module the tests import, or digs through the interpreter's objects (gc, frames, ctypes).
+PLACEHOLDER = re.compile(r"\b(ANSWER|ENTRY|PROMPT|TESTS)\b")
 SCORER = """
-import builtins, os, sys, traceback
-_exit = os._exit
-def _refused(*args, **kwargs):
-    raise RuntimeError("not allowed while the tests run")
-for name in ("_exit", "abort", "kill", "killpg", "fork", "forkpty", "system", "posix_spawn", "posix_spawnp",
-             "execv", "execve", "execvp", "execvpe", "execl", "execle", "execlp", "execlpe"):
-    if hasattr(os, name):
-        setattr(os, name, _refused)
-builtins.exit = builtins.quit = sys.exit = _refused
-try:
-    code = compile(SOURCE, "answer", "exec")
-except BaseException:
-    traceback.print_exc()
-    _exit(2)
-try:
-    exec(code, {"__name__": "__main__"})
-except BaseException:
-    traceback.print_exc()
-    _exit(1)
-sys.stdout.flush()
-sys.stderr.flush()
-_exit(0)
+def main():
+    import ast, builtins, os, posix, sys, traceback
+    exit_now, saved = os._exit, dict(vars(builtins))
+    def refused(*args, **kwargs):
+        raise RuntimeError("not allowed while the tests run")
+    def refuse():
+        for module in (os, posix):
+            for name in ("_exit", "abort", "kill", "killpg", "fork", "forkpty", "system", "posix_spawn",
+                         "posix_spawnp", "execv", "execve", "execvp", "execvpe", "execl", "execle",
+                         "execlp", "execlpe"):
+                if hasattr(module, name):
+                    setattr(module, name, refused)
+        builtins.exit = builtins.quit = sys.exit = refused
+    refuse()
+    try:
+        code = compile(ANSWER, "answer", "exec")
+    except BaseException:
+        traceback.print_exc()
+        exit_now(2)
+    try:
+        answer = {"__name__": "__main__"}
+        exec(code, answer)
+        candidate = answer[ENTRY]
+        shared = vars(builtins)
+        shared.clear()
+        shared.update(saved)
+        refuse()
+        def checked(*args, **kwargs):
+            return ast.literal_eval(repr(candidate(*args, **kwargs)))
+        tests = {"__name__": "__main__"}
+        exec(PROMPT, tests)
+        tests[ENTRY] = checked  # some tests call the function by its name
+        exec(TESTS, tests)
+        tests["check"](checked)
+    except BaseException:
+        traceback.print_exc()
+        exit_now(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    exit_now(0)
+main()
 """
+
 FENCED = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
 
 
@@ -141,8 +165,11 @@ class HumanEvalTask:
         if not answer.strip() or prompt.answer not in self.problems:
             return Score(0.0, {"passes": 0.0}, {"compiles": 0.0, "tool_calls": float(calls)})
         problem = self.problems[prompt.answer]
-        tests = f"{self.source(prompt.answer, answer)}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
-        run = self.sandbox.run_python(SCORER.replace("SOURCE", repr(tests), 1))
+        values = {"ANSWER": self.source(prompt.answer, answer), "ENTRY": problem["entry_point"],
+                  "PROMPT": problem["prompt"], "TESTS": problem["test"]}  # fmt: skip
+        # One pass over the template: what is put in is never searched again (an answer that
+        # says TESTS stays the answer's text).
+        run = self.sandbox.run_python(PLACEHOLDER.sub(lambda m: repr(values[m.group(0)]), SCORER))
         compiles, passes = run.exit_code in (0, 1), run.ok
         return Score(
             float(passes), {"passes": float(passes)}, {"compiles": float(compiles), "tool_calls": float(calls)}

@@ -17,8 +17,9 @@ exactly as for any task; the environment supplies what v1 puts in a `Taskset`:
 v1's own rollout path (`Env.run_episode`: a harness program and MCP servers as subprocesses per
 episode, provisioned with `uv`, a remote sandbox by default) is not used. What needs it is refused
 at load, naming the reason: a custom `Env`, container tasks, lifecycle hooks (setup, finalize,
-intercepts, request/response stops), signals that need the runtime, toolsets with per-task state,
-another runtime or a remote URL.
+intercepts, request/response stops), signals that need the runtime unless `sandbox` is set (then
+they get a runtime over meshrl's sandbox, `tasks/verifiers_runtime.py`), toolsets with per-task
+state, another runtime, colocation with the agent's runtime, or a remote URL.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ class SandboxRuntime(vf.Runtime):
             data = self.files[_relative(path)]
         except KeyError:
             raise SandboxError(f"read {path!r}: only files written through this runtime can be read") from None
-        return data if max_bytes is None else data[: max_bytes + 1]
+        return data if max_bytes is None else data[:max_bytes]  # `read` asks one byte over its cap
 
     async def run(self, argv: list[str], env: dict[str, str]) -> ProgramResult:
         spec = {

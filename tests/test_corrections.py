@@ -93,3 +93,11 @@ def test_configs_select_them_and_refuse_bad_bounds():
     assert "mis/masked_high" in rl_loss_fn(MisLoss())(inputs).metrics
     with pytest.raises(ValueError, match="must bracket 1"):
         MisLoss(low=2.0, high=8.0)
+
+
+def test_an_overflowing_sequence_weight_is_reported_not_nan():
+    inputs = sample(2, n=6)
+    inputs.inference_logprobs = inputs.trainer_logprobs.detach() - 200.0  # W = e^(200·tokens): inf in float64
+    out = tis_loss_fn(inputs, level="sequence")
+    assert out.metrics["tis/ratio_max"].item() == math.inf and out.metrics["tis/capped"].item() == 1.0
+    assert torch.isfinite(out.loss)

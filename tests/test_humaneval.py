@@ -51,10 +51,19 @@ def test_every_canonical_solution_passes_and_a_wrong_answer_fails(task):
     ["raise SystemExit(0)", "import sys\nsys.exit(0)", "import os\nos._exit(0)", "exit()",
      "import os\nos.execv('/bin/true', ['true'])", "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)",
      "import subprocess\nsubprocess.run(['kill', '-9', str(__import__('os').getppid())])",
-     "import threading, os\nthreading.Thread(target=lambda: os._exit(0)).start()"],
+     "import threading, os\nthreading.Thread(target=lambda: os._exit(0)).start()",
+     "import __main__\n__main__._exit(0)", "import posix\nposix._exit(0)",
+     "class A:\n    __eq__ = lambda s, o: True\ndef has_close_elements(*args):\n    return A()",
+     "abs = lambda x: 0\ndef has_close_elements(*args):\n    return True",
+     "import builtins\nbuiltins.abs = lambda x: 0\ndef has_close_elements(*args):\n    return True"],
 )  # fmt: skip
-def test_an_answer_that_ends_the_program_before_the_tests_does_not_pass(task, answer):
+def test_an_answer_that_ends_the_program_early_or_games_the_comparison_does_not_pass(task, answer):
     assert answered(task, FIRST, answer) == 0.0
+
+
+def test_an_answer_that_names_the_scorer_s_placeholders_is_still_just_its_text(task):
+    body = task.problems[FIRST]["canonical_solution"]
+    assert answered(task, FIRST, body + "    # ANSWER TESTS PROMPT ENTRY\n") == 1.0
 
 
 def test_the_splits_are_disjoint_and_evaluation_takes_the_held_out_problems(task):

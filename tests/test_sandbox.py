@@ -35,7 +35,16 @@ def test_a_program_runs_in_an_empty_directory_with_nothing_of_the_host(sandbox):
     assert run.ok, run.report()
     assert run.stdout.split(" ", 1)[0] == "/work"
     assert "'home'" not in run.stdout and "'root'" not in run.stdout and "'etc'" not in run.stdout
-    assert run.stdout.rstrip().endswith("['main.py']")
+    assert run.stdout.rstrip().endswith("[]")  # the program itself lives outside it
+
+
+def test_dev_is_read_only_and_shared_memory_is_bounded(sandbox):
+    run = sandbox.run_python("open('/dev/evil', 'w')")
+    assert "Read-only file system" in run.stderr
+    run = sandbox.run_python(
+        "f = open('/dev/shm/x', 'w')\nfor _ in range(8):\n    f.write('x' * (1 << 20))\n    f.flush()"
+    )
+    assert run.limit in ("workdir", "file_size"), run.report()
 
 
 def test_writes_outside_the_working_directory_do_not_reach_the_host(sandbox, tmp_path):
