@@ -286,13 +286,12 @@ def _threads_of(uid: int) -> int:
     return count
 
 
-def processes_of(uid: int, until: int | None = None) -> list[int]:
-    """Live (not zombie: a zombie runs nothing and the host's init reaps it) processes whose uid is
-    `uid`, or in [uid, until)."""
+def processes_of(uid: int) -> list[int]:
+    """Live (not zombie: a zombie runs nothing and the host's init reaps it) processes of `uid`."""
     found = []
     for entry in os.scandir("/proc"):
         try:
-            if entry.name.isdigit() and uid <= entry.stat().st_uid < (until or uid + 1):
+            if entry.name.isdigit() and entry.stat().st_uid == uid:
                 if Path(f"/proc/{entry.name}/stat").read_text().rpartition(")")[2].split()[0] != "Z":
                     found.append(int(entry.name))
         except (FileNotFoundError, ProcessLookupError):

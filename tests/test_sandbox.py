@@ -11,8 +11,8 @@ import threading
 import pytest
 
 from meshrl.configs.schema import SandboxConfig
-from meshrl.sandbox import Sandbox, SandboxUnavailable, make_sandbox
-from meshrl.sandbox.core import UID_BASE, UIDS, processes_of
+from meshrl.sandbox import Run, Sandbox, SandboxUnavailable, make_sandbox
+from meshrl.sandbox.core import processes_of
 
 LIMITS = {"wall_time_s": 3.0, "cpu_time_s": 1, "memory_mb": 256, "processes": 16, "file_size_mb": 1,
           "workdir_mb": 4, "output_bytes": 4096, "pool_size": 2}  # fmt: skip
@@ -25,9 +25,11 @@ def sandbox():
     box.close()
 
 
-def sandbox_processes() -> list[int]:
-    """Host processes running as a sandbox call's user (as root every call has its own uid)."""
-    return processes_of(UID_BASE, UID_BASE + UIDS)
+def run_as(sandbox, program: str) -> tuple[Run, int]:
+    """Run `program` after a line printing the uid it runs as (as root every call has its own:
+    other test processes may be running calls of their own meanwhile)."""
+    run = sandbox.run_python("import os as _os\nprint(_os.getuid(), flush=True)\n" + program)
+    return run, int(run.stdout.split("\n", 1)[0][:12])
 
 
 def test_a_program_runs_in_an_empty_directory_with_nothing_of_the_host(sandbox):
@@ -121,21 +123,23 @@ for address in [("127.0.0.1", {port}), ("1.1.1.1", 53)]:
     ids=["fork-bomb", "8GB", "busy-loop", "sleep", "1GB-of-output", "big-file", "threads"],
 )  # fmt: skip
 def test_a_program_that_breaks_a_limit_is_stopped_and_named(sandbox, program, limits):
-    run = sandbox.run_python(program)
+    run, uid = run_as(sandbox, program)
     assert run.limit in limits, run.report()
     assert not run.ok and f"sandbox limit reached: {run.limit}" in run.report()
     assert len(run.stdout.encode()) + len(run.stderr.encode()) <= 2 * LIMITS["output_bytes"]
     assert sandbox.run_python("print('next')").stdout == "next\n"  # the sandbox goes on
     if os.geteuid() == 0:
-        assert sandbox_processes() == []
+        assert processes_of(uid) == []  # nothing of the call is left
 
 
 def test_background_processes_die_with_the_call(sandbox):
     program = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(3600)\nprint('parent done')"
-    run = sandbox.run_python(program)
-    assert run.ok and run.stdout == "parent done\n", run.report()  # ended with its program, not at the deadline
+    run, uid = run_as(sandbox, program)
+    assert run.ok and run.stdout.endswith("\nparent done\n"), (
+        run.report()
+    )  # ended with its program, not at the deadline
     if os.geteuid() == 0:
-        assert sandbox_processes() == []
+        assert processes_of(uid) == []
 
 
 def test_the_same_code_gives_the_same_result(sandbox):
