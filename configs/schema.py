@@ -324,6 +324,11 @@ class TrainerConfig(Section):
         "'fsdp2' shards parameters, gradients and optimizer state (fully_shard per decoder layer).",
     )
     micro_batch_tokens: int = Field(4096, ge=16, description="Token budget of one packed micro-batch per rank.")
+    mask_truncated_completions: bool = Field(
+        False,
+        description="Leave rollouts whose last turn hit generator.max_new_tokens out of the RL loss (TRL's "
+        "name; DAPO's overlong filtering); their rewards still shape their group's advantages.",
+    )
     grad_bucket_mb: float = Field(
         32.0, gt=0, description="DDP: most gradient MB copied into one all-reduce (bounds the extra memory)."
     )

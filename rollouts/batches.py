@@ -24,11 +24,13 @@ from meshrl.traces.schema import TokenSpan, TraceExample, Turn
 @dataclass
 class RlShards:
     """A step's RL micro-batches: a list per trainer rank, the loss-mask tokens over all ranks
-    (the loss normaliser), and how many rollouts were cut to the micro-batch."""
+    (the loss normaliser), how many rollouts were cut to the micro-batch, and how many cut off by
+    the generator's token limit were left out (`mask_truncated`)."""
 
     shards: list[list[dict[str, Any]]]
     tokens: int
     truncated: int
+    cut_off: int = 0
 
 
 @dataclass
@@ -47,16 +49,23 @@ def rl_shards(
     pad_id: int,
     world: int,
     keep_zero_advantage: bool = False,
+    mask_truncated: bool = False,
 ) -> RlShards:
     """Per-rank lists of packed micro-batches, the step's loss-mask token count, and truncations.
 
     Zero-advantage rollouts carry no policy gradient and are left out (PRIME-RL does the same),
     unless `keep_zero_advantage`: a loss whose signal is not the advantage (ref_kl) trains on them.
+    With `mask_truncated`, rollouts whose last turn the generator cut off at its token limit are
+    left out too (TRL's `mask_truncated_completions`, DAPO's overlong filtering): their advantage
+    was computed, and shaped their group's, but an unfinished answer is not trained on.
     A rollout longer than the micro-batch keeps its first `micro_batch_tokens` tokens.
     """
-    rows, values, truncated = [], [], 0
+    rows, values, truncated, cut_off = [], [], 0, 0
     for r, a in zip(rollouts, advantages):
         if a == 0 and not keep_zero_advantage:
+            continue
+        if mask_truncated and r.finish_reason == "length":
+            cut_off += 1
             continue
         ids, mask, lp = (np.asarray(x) for x in (r.token_ids, r.loss_mask, r.logprobs))
         if ids.size > micro_batch_tokens:
@@ -66,11 +75,11 @@ def rl_shards(
         values.append(a)
     shards: list[list[dict[str, Any]]] = [[] for _ in range(world)]
     if not rows:
-        return RlShards(shards, 0, truncated)
+        return RlShards(shards, 0, truncated, cut_off)
     packed = pack_rows(rows, values, micro_batch_tokens, pad_id)
     for i in range(packed["input_ids"].shape[0]):
         shards[i % world].append({k: v[i : i + 1] for k, v in packed.items() if k != "sample_index"})
-    return RlShards(shards, int(sum(int(r.mask.sum()) for r in rows)), truncated)
+    return RlShards(shards, int(sum(int(r.mask.sum()) for r in rows)), truncated, cut_off)
 
 
 def sampled_spans(loss_mask: Sequence[bool]) -> list[TokenSpan]:

@@ -657,7 +657,8 @@ class Controller:
 
             advantages = group_advantages(fresh)
             rl = rl_shards(fresh, advantages, cfg.trainer.micro_batch_tokens, self.tokenizer.pad_token_id, world,
-                           keep_zero_advantage=isinstance(cfg.loss, RefKlLoss))  # fmt: skip
+                           keep_zero_advantage=isinstance(cfg.loss, RefKlLoss),
+                           mask_truncated=cfg.trainer.mask_truncated_completions)  # fmt: skip
             pairs = self.pairs if cfg.loss.replay.weight > 0 else []  # a channel at weight 0 gets no rows
             aux = aux_shards(fresh, pairs, self.collator, world, cfg.loss.sdpo.max_traces_per_step)
             replay_pairs = len(self.pairs)
@@ -693,6 +694,8 @@ class Controller:
                 "tool_errors": sum(r.tool_errors for r in fresh),
                 "replay_pairs": replay_pairs,
                 "truncated": rl.truncated,
+                "rollouts/cut_off": sum(r.finish_reason == "length" for r in fresh),
+                "rollouts/cut_off_masked": rl.cut_off,
                 **{k: v for k, v in metrics.items()},
                 **{f"collate/{k}": v for k, v in asdict(aux.stats).items()},
                 **teacher_stats,

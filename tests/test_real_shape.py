@@ -23,6 +23,7 @@ QWEN = [
     "--generator.max_new_tokens", "32", "--generator.temperature", "0.8",
     "--trainer.warm_start_steps", "60", "--trainer.warm_start_batch_size", "8", "--trainer.warm_start_lr", "1e-2",
     "--topology.trainer.procs", "2", "--trainer.parallelism", "fsdp2", "--ckpt.interval", "2",
+    "--trainer.mask_truncated_completions", "true",
 ]  # fmt: skip
 
 
@@ -41,6 +42,7 @@ def test_qwen_shaped_model_trains_resumes_and_exports(tmp_path, capsys):
     for channel in ("loss/rl", "loss/replay", "loss/sdpo"):  # all three live on the warm-started policy
         assert any(r.get(channel, 0) != 0 for r in metrics), channel
     assert all(r["skipped_steps"] == 0 for r in metrics)
+    assert all(0 <= r["rollouts/cut_off_masked"] <= r["rollouts/cut_off"] for r in metrics)  # left out of RL
     assert all(abs(r["unmasked_mismatch_kl"]) < 1e-2 for r in metrics if "unmasked_mismatch_kl" in r)
 
     checkpoint = out / "checkpoints" / "step_4"

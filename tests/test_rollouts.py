@@ -25,3 +25,13 @@ def test_a_group_with_equal_rewards_has_exactly_zero_advantage_and_no_rows():
     # ref_kl's signal is the reference's logprobs, not the advantage: every rollout trains.
     kept = rl_shards(rollouts, advantages, micro_batch_tokens=64, pad_id=0, world=1, keep_zero_advantage=True)
     assert kept.tokens == 10
+
+
+def test_truncated_completions_are_left_out_only_when_asked():
+    rollouts = [_rollout("g", 0.0), _rollout("g", 1.0), _rollout("g", 0.5)]
+    rollouts[1].finish_reason = "length"  # cut off at generator.max_new_tokens
+    advantages = group_advantages(rollouts)
+    assert advantages[1] > 0  # its reward still shapes the group's advantages
+    assert rl_shards(rollouts, advantages, micro_batch_tokens=64, pad_id=0, world=1).tokens == 4
+    masked = rl_shards(rollouts, advantages, micro_batch_tokens=64, pad_id=0, world=1, mask_truncated=True)
+    assert (masked.tokens, masked.cut_off) == (2, 1)
