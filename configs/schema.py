@@ -417,26 +417,28 @@ class RefKlLoss(LossBase):
         return self
 
 
-class TisLoss(LossBase):
-    type: Literal["tis"] = Field(
-        "tis", description="Truncated importance sampling toward the sampler (TRL's token/sequence_truncate)."
-    )
+class ImportanceSamplingLoss(LossBase):
+    """What TIS and MIS share: the weight's level and the terms' scales."""
+
     level: Literal["token", "sequence"] = Field(
-        "token", description="Weight per token, or one per sample (the product of its tokens' weights)."
-    )
-    cap: float = Field(
-        2.0, gt=0, description="Importance weights above this count as this (TRL: vllm_importance_sampling_cap)."
+        "token", description="A weight per token, or one per sample (the product of its tokens' weights)."
     )
     adv_tau: float = Field(1.0, ge=0, description="Scale of the advantage term.")
     kl_tau: float = Field(1e-3, ge=0, description="Scale of the squared log-ratio KL to the inference policy.")
 
 
-class MisLoss(LossBase):
+class TisLoss(ImportanceSamplingLoss):
+    type: Literal["tis"] = Field(
+        "tis", description="Truncated importance sampling toward the sampler (TRL's token/sequence_truncate)."
+    )
+    cap: float = Field(
+        2.0, gt=0, description="Importance weights above this count as this (TRL: vllm_importance_sampling_cap)."
+    )
+
+
+class MisLoss(ImportanceSamplingLoss):
     type: Literal["mis"] = Field(
         "mis", description="Masked importance sampling (IcePop-style; TRL's token/sequence_mask)."
-    )
-    level: Literal["token", "sequence"] = Field(
-        "token", description="Mask per token, or the whole sample (by the product of its tokens' weights)."
     )
     low: float = Field(
         0.125, gt=0, description="Tokens (samples) whose importance weight is below this get no gradient."
@@ -444,8 +446,6 @@ class MisLoss(LossBase):
     high: float = Field(
         8.0, gt=0, description="Tokens (samples) whose importance weight is above this get no gradient."
     )
-    adv_tau: float = Field(1.0, ge=0, description="Scale of the advantage term.")
-    kl_tau: float = Field(1e-3, ge=0, description="Scale of the squared log-ratio KL to the inference policy.")
 
     @model_validator(mode="after")
     def _bounds(self) -> MisLoss:

@@ -14,11 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from meshrl.rollouts.episodes import Rollout
+from meshrl.rollouts.episodes import Rollout, sampled_spans
 from meshrl.rollouts.packing import Encoded, pack_rows
 from meshrl.traces.collator import CollateStats, TraceCollator
 from meshrl.traces.errors import ErrorClassifier, mark_error_sites
-from meshrl.traces.schema import TokenSpan, TraceExample, Turn
+from meshrl.traces.schema import TraceExample, Turn
 
 
 @dataclass
@@ -80,19 +80,6 @@ def rl_shards(
     for i in range(packed["input_ids"].shape[0]):
         shards[i % world].append({k: v[i : i + 1] for k, v in packed.items() if k != "sample_index"})
     return RlShards(shards, int(sum(int(r.mask.sum()) for r in rows)), truncated, cut_off)
-
-
-def sampled_spans(loss_mask: Sequence[bool]) -> list[TokenSpan]:
-    """The runs of sampled tokens, in order: one per assistant turn of an episode (tool turns,
-    unsampled, lie between them)."""
-    spans, start = [], None
-    for i, sampled in enumerate([*loss_mask, False]):
-        if sampled and start is None:
-            start = i
-        elif not sampled and start is not None:
-            spans.append(TokenSpan(start=start, end=i))
-            start = None
-    return spans
 
 
 def rollout_trace(rollout: Rollout, classifier: ErrorClassifier) -> TraceExample:

@@ -8,6 +8,7 @@ between sampling and training.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +17,7 @@ from transformers import PreTrainedTokenizerBase
 from meshrl.inference.completion import Completion
 from meshrl.rollouts.chat import ChatSettings, make_chat
 from meshrl.tasks.base import Ending, Prompt, Score, Scoring, Stopping, Task, ToolResult, task_tools
+from meshrl.traces.schema import TokenSpan
 
 
 @dataclass
@@ -45,14 +47,17 @@ def fresh_rollouts(rollouts: list[Rollout], step: int, max_off_policy_steps: int
     return [r for r in rollouts if step - r.version <= max_off_policy_steps]
 
 
-def _last_turn_length(loss_mask: list[bool]) -> int:
-    """How many ids the last sampled turn has (the run of sampled ids the mask ends with)."""
-    count = 0
-    for sampled in reversed(loss_mask):
-        if not sampled:
-            break
-        count += 1
-    return count
+def sampled_spans(loss_mask: Sequence[bool]) -> list[TokenSpan]:
+    """The runs of sampled tokens, in order: one per assistant turn of an episode (tool turns,
+    unsampled, lie between them)."""
+    spans, start = [], None
+    for i, sampled in enumerate([*loss_mask, False]):
+        if sampled and start is None:
+            start = i
+        elif not sampled and start is not None:
+            spans.append(TokenSpan(start=start, end=i))
+            start = None
+    return spans
 
 
 def rubric_means(rollouts: list[Rollout]) -> dict[str, float]:
@@ -123,7 +128,7 @@ class EpisodeFormat:
             rollout.tool_errors += result.is_error
             tool_messages.append({"role": "tool", "content": result.content, "tool_call_id": call["id"],
                                   "is_error": result.is_error})  # fmt: skip
-        split = len(rollout.token_ids) - _last_turn_length(rollout.loss_mask)
+        split = sampled_spans(rollout.loss_mask)[-1].start  # where the turn just sampled begins
         ids = self.chat.tool_turn_ids(
             rollout.token_ids[:split], rollout.token_ids[split:], rollout.messages, tool_messages
         )

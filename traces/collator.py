@@ -37,8 +37,8 @@ HintGenerator = Callable[[str, dict[str, Any]], "str | None"]
 
 
 class SampledFormat(Protocol):
-    """The policy's chat format where it is not the template's rendering (a `renderers` renderer):
-    what a sampled turn's prompt is, and how an answer reads as the policy would sample it."""
+    """The policy's chat format (`rollouts.chat`: a `renderers` renderer or the template): what a
+    sampled turn's prompt is, and how an answer reads as the policy would sample it."""
 
     def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]: ...
 
@@ -103,8 +103,8 @@ class TraceCollator:
     many tokens with per-sample position ids (else rows are right-padded with an attention
     mask); `max_seq_len` truncates (see the module docstring); `tools` (OpenAI function schemas,
     the task's) are rendered by the chat template as they were when the policy sampled.
-    `sampled_format` renders what goes beside sampled ids (the teachers' chosen answers, SDPO's
-    hinted prompt) when the policy samples under a `renderers` renderer; by default the template does.
+    `sampled_format` (the run's chat format) renders what goes beside sampled ids (the teachers'
+    chosen answers, SDPO's hinted prompt); without one the template does.
     """
 
     def __init__(
