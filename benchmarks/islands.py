@@ -1,13 +1,14 @@
 """One trainer mesh against two DiLoCo islands at equal total rollouts, on the embedded default.
 
-    python benchmarks/islands.py [--sync-every 10] [--out runs/islands]
+    python benchmarks/islands.py [--sync-every 10] [--outer-lr 1 --outer-momentum 0] [--out runs/islands]
 
 Runs `meshrl train @ configs/local.toml` once as one island (8 prompts a step), then two islands
 at once (4 prompts a step each, the same steps: the same rollouts in total) under one lighthouse,
 and prints per trainer step the bytes each island's rank handed to torchft's all-reduce
 (measured: `diloco/payload_bytes`) against what data parallelism all-reduces (every gradient,
 every step: the model's parameter bytes, as `TrainerCore._all_reduce_grads` does), and the
-mean reward of the last steps. The reward curves go to docs/islands_reward.png.
+mean reward of the last quarter of the steps (15 of 60). The outer optimizer defaults to the
+config's (`trainer.diloco.*`). The reward curves go to docs/islands_reward.png (or --plot).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from safetensors.torch import load_file
 
+from meshrl.configs.schema import DilocoConfig
 from meshrl.trainer.islands import serve_lighthouse
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,9 +39,19 @@ def records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def run(out: Path, *extra: str) -> subprocess.Popen:
+def run(out: Path, seed: int, *extra: str) -> subprocess.Popen:
     log = (out.parent / f"{out.name}.log").open("w")
-    args = [*MESHRL, "--output-dir", str(out), "--overwrite", "--metrics.progress", "plain", *extra]
+    args = [
+        *MESHRL,
+        "--output-dir",
+        str(out),
+        "--overwrite",
+        "--seed",
+        str(seed),
+        "--metrics.progress",
+        "plain",
+        *extra,
+    ]
     return subprocess.Popen(args, cwd=REPO, stdout=log, stderr=log, env={**os.environ, "RUST_LOG": "warn"})
 
 
@@ -49,7 +61,13 @@ def smooth(values: list[float], window: int = 10) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sync-every", type=int, default=10)
+    defaults = DilocoConfig()
+    parser.add_argument("--sync-every", type=int, default=defaults.sync_every)
+    parser.add_argument("--outer-lr", type=float, default=defaults.outer_lr)
+    parser.add_argument("--outer-momentum", type=float, default=defaults.outer_momentum)
+    parser.add_argument("--nesterov", action=argparse.BooleanOptionalAction, default=defaults.outer_nesterov)
+    parser.add_argument("--plot", default=str(REPO / "docs" / "islands_reward.png"))
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/islands")
     parser.add_argument(
         "--min-islands", type=int, default=2,
@@ -62,7 +80,7 @@ def main() -> None:
 
     start = time.time()
     if not args.reuse_one:
-        one = run(root / "one")
+        one = run(root / "one", args.seed)
         assert one.wait() == 0, (root / "one.log").read_text()[-3000:]
     one_s = time.time() - start
 
@@ -71,9 +89,11 @@ def main() -> None:
     )
     start = time.time()
     islands = [
-        run(root / name, "--task.prompts_per_step", "4", "--trainer.diloco.replica_id", name,
+        run(root / name, args.seed, "--task.prompts_per_step", "4", "--trainer.diloco.replica_id", name,
             "--trainer.diloco.lighthouse", lighthouse.address(), "--trainer.diloco.host", "localhost",
-            "--trainer.diloco.sync_every", str(args.sync_every))
+            "--trainer.diloco.sync_every", str(args.sync_every), "--trainer.diloco.outer_lr", str(args.outer_lr),
+            "--trainer.diloco.outer_momentum", str(args.outer_momentum),
+            "--trainer.diloco.outer_nesterov", str(args.nesterov).lower())
         for name in ("a", "b")
     ]  # fmt: skip
     for name, proc in zip("ab", islands, strict=True):
@@ -101,13 +121,14 @@ def main() -> None:
 
     fig, ax = plt.subplots(figsize=(6, 3.2))
     ax.plot(smooth(reward(base)), label="1 island, 8 prompts/step")
-    ax.plot(smooth(two), label=f"2 islands x 4 prompts/step, H={args.sync_every} (mean)")
+    outer = f"outer lr {args.outer_lr:g}, momentum {args.outer_momentum:g}{', Nesterov' if args.nesterov else ''}"
+    ax.plot(smooth(two), label=f"2 islands x 4 prompts/step (mean), H={args.sync_every}, {outer}")
     ax.set_xlabel("step")
     ax.set_ylabel("reward/mean (10-step mean)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(REPO / "docs" / "islands_reward.png", dpi=100)
-    print("plot: docs/islands_reward.png")
+    fig.savefig(args.plot, dpi=100)
+    print(f"plot: {args.plot}")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import random
 import time
+import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,14 @@ class StepRequest:
 
 
 @dataclass
+class Refill:
+    """A step's dynamic sampling: its groups found with all rewards equal, and the extra groups asked for."""
+
+    uninformative: int
+    extra: int
+
+
+@dataclass
 class TeacherRound:
     """States sent to a teacher actor, awaiting its answers (mined into pairs when they come)."""
 
@@ -127,6 +136,15 @@ def resolve_model(config: RunConfig, run: RunDir) -> str:
     return config.model.path
 
 
+def stream_seed(config: RunConfig) -> int:
+    """The seed of the run's prompt, sampling and teacher-state streams. Islands share
+    `config.seed` (the same tiny model and warm start: every island starts from the same weights)
+    but each draws its own prompts and sampling seeds; two islands on one seed would train on the
+    same rollouts, half the data their rollout count says."""
+    island = config.trainer.diloco.replica_id
+    return config.seed if island is None else config.seed + (zlib.crc32(island.encode()) << 4)
+
+
 class Controller:
     def __init__(self, config: RunConfig) -> None:
         self.config = config
@@ -144,9 +162,11 @@ class Controller:
         )  # fmt: skip
         if config.trainer.warm_start_steps or config.task.traces:
             self.collator.turn_markers  # noqa: B018 - traces without sampled ids need them: refused here, not mid-run
-        self.data_rng = random.Random(config.seed)  # prompts
-        self.seed_rng = random.Random(config.seed + 1)  # generator sampling seeds
-        self.teacher_rng = random.Random(config.seed + 3)  # offline states for the teachers
+        streams = stream_seed(config)
+        self.data_rng = random.Random(streams)  # prompts
+        self.seed_rng = random.Random(streams + 1)  # generator sampling seeds
+        self.teacher_rng = random.Random(streams + 3)  # offline states for the teachers
+        self.refill_rng = random.Random(streams + 4)  # prompts and seeds of dynamic sampling's extra groups
         self.step = 0
         self.requests: dict[int, StepRequest] = {}  # by step, oldest first
         self.slots: dict[str, GroupSlot] = {}  # groups in flight, by key
@@ -292,20 +312,25 @@ class Controller:
     def _streams(self) -> dict[str, Any]:
         return {"data_rng": _rng_state(self.data_rng), "seed_rng": _rng_state(self.seed_rng)}
 
-    def _request(self, step: int) -> None:
-        """Deal a step's groups round-robin to the generators; a group starts once its generator
-        runs policy version `step - max_async_level` or newer."""
+    def _groups(self, step: int, n: int, prompt_rng: random.Random, seed_rng: random.Random) -> list[GroupRequest]:
+        """`n` groups for `step`: a group starts once its generator runs policy version
+        `step - max_async_level` or newer."""
         g = self.config.generator
-        before = self._streams()
-        prompts = self.task.sample_prompts(self.data_rng, self.config.task.prompts_per_step)
         groups = []
-        for prompt in prompts:
+        for prompt in self.task.sample_prompts(prompt_rng, n):
             key = f"{step}/{self.groups_asked}"
             self.groups_asked += 1
-            seed = self.seed_rng.randrange(2**31)
+            seed = seed_rng.randrange(2**31)
             groups.append(
                 GroupRequest(key, prompt, g.samples_per_prompt, seed, min_version=max(0, step - g.max_async_level))
             )
+        return groups
+
+    def _request(self, step: int) -> None:
+        """Deal a step's groups round-robin to the generators (its first ones offered to outside
+        workers when the ingress is on)."""
+        before = self._streams()
+        groups = self._groups(step, self.config.task.prompts_per_step, self.data_rng, self.seed_rng)
         self.requests[step] = StepRequest([group.key for group in groups], before)
         if self.ingress is not None:  # the step's first groups are offered to outside workers
             offered, groups = (
@@ -356,6 +381,24 @@ class Controller:
             if self.ingress is not None:
                 self._poll_ingress(step)
         return self.requests.pop(step)
+
+    def _refill(self, request: StepRequest, step: int) -> Refill:
+        """DAPO's dynamic sampling: while the step has groups whose rewards are all equal (they
+        carry no advantage), ask the mesh's generators for as many fresh groups, up to
+        `generator.refill_uninformative` extra groups in all. Their prompts and seeds come from a
+        stream of their own, so the steps' regular prompts are those of a run without refills."""
+        budget = self.config.generator.refill_uninformative
+        uninformative = first = sum(_uninformative(group) for group in request.groups)
+        extra = 0
+        while budget and uninformative and extra < budget:
+            groups = self._groups(step, min(uninformative, budget - extra), self.refill_rng, self.refill_rng)
+            extra += len(groups)
+            self.requests[step] = StepRequest([group.key for group in groups], request.streams_before)
+            self._deal(step, groups)
+            added = self._gather(step).groups
+            request.groups += added
+            uninformative = sum(_uninformative(group) for group in added)
+        return Refill(uninformative=first, extra=extra)
 
     def _poll_ingress(self, step: int) -> None:
         """Take the verified outside groups; what the ingress gives back (offers of this step
@@ -580,6 +623,7 @@ class Controller:
             "step": self.step,
             **(self.requests[oldest].streams_before if oldest is not None else self._streams()),
             "teacher_rng": _rng_state(self.teacher_rng),
+            "refill_rng": _rng_state(self.refill_rng),
             "teacher_totals": self._teacher_totals(),
             "teacher_counts": self.teacher_counts,
             "pairs": [p.model_dump() for p in self.pairs],
@@ -611,6 +655,8 @@ class Controller:
         self.data_rng.setstate(_rng_from(state["data_rng"]))
         self.seed_rng.setstate(_rng_from(state["seed_rng"]))
         self.teacher_rng.setstate(_rng_from(state["teacher_rng"]))
+        if "refill_rng" in state:  # checkpoints written before dynamic sampling existed go on with a fresh stream
+            self.refill_rng.setstate(_rng_from(state["refill_rng"]))
         self.teacher_totals, self.teacher_counts = state["teacher_totals"], state["teacher_counts"]
         self.pairs = [DpoPair.model_validate(p) for p in state["pairs"]]
         self.dropped_stale = state["dropped_stale"]
@@ -647,6 +693,7 @@ class Controller:
             self.timeline = []
             self._feed()
             request = self._gather(self.step)
+            refill = self._refill(request, self.step)
             waited = time.perf_counter() - step_start
             rollouts = [r for group in request.groups for r in group.rollouts]
             fresh = fresh_rollouts(rollouts, self.step, cfg.generator.max_off_policy_steps)
@@ -696,6 +743,8 @@ class Controller:
                 "truncated": rl.truncated,
                 "rollouts/cut_off": sum(r.finish_reason == "length" for r in fresh),
                 "rollouts/cut_off_masked": rl.cut_off,
+                "groups/uninformative": refill.uninformative,
+                "groups/refilled": refill.extra,
                 **{k: v for k, v in metrics.items()},
                 **{f"collate/{k}": v for k, v in asdict(aux.stats).items()},
                 **teacher_stats,
@@ -719,6 +768,11 @@ class Controller:
                 self.save()
             self.run.append_timeline({"step": self.step - 1, "spans": self.timeline})
         self.commit_checkpoint(wait=True)
+
+
+def _uninformative(group: FinishedGroup) -> bool:
+    """Every rollout of the group got the same reward: their advantages are all 0."""
+    return len({r.reward for r in group.rollouts}) <= 1
 
 
 def _span(lane: str, start: float, end: float, step: int) -> dict[str, Any]:

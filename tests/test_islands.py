@@ -131,7 +131,8 @@ def test_outer_state_round_trips_through_a_checkpoint(tiny_lm):
 
     lighthouse = serve_lighthouse("[::]:0", min_islands=1, join_timeout_ms=1_000, heartbeat_timeout_ms=2_000)
     config = DilocoConfig(replica_id="solo", lighthouse=lighthouse.address(), host="localhost", sync_every=4,
-                          fragments=2, fragment_sync_delay=1, timeout_s=10, quorum_timeout_s=30)  # fmt: skip
+                          fragments=2, fragment_sync_delay=1, timeout_s=10, quorum_timeout_s=30,
+                          outer_lr=0.7, outer_momentum=0.9, outer_nesterov=True)  # fmt: skip
     ids = torch.randint(0, 97, (2, 12))
     try:
         inner = torch.optim.AdamW(tiny_lm.parameters(), lr=1e-2)
@@ -157,6 +158,65 @@ def test_outer_state_round_trips_through_a_checkpoint(tiny_lm):
                 torch.equal(a["state"][k]["momentum_buffer"], b["state"][k]["momentum_buffer"]) for k in b["state"]
             )
         fresh.close()
+    finally:
+        lighthouse.shutdown()
+
+
+@pytest.mark.network  # a lighthouse and torchft's stores on loopback
+def test_outer_lr_1_without_momentum_averages_the_islands(tiny_lm):
+    """The default outer step (lr 1, momentum 0) is parameter averaging: two islands (threads of
+    this process) move their local models to two known points in H inner steps; after the outer
+    step both hold the mean of those points. Nesterov at lr 0.7, momentum 0.9 does not."""
+    import copy
+    import threading
+
+    import torch
+
+    from meshrl.configs.schema import DilocoConfig
+    from meshrl.trainer.islands import Islands
+
+    def outer_step(config: DilocoConfig, models: list, targets: list) -> None:
+        errors: list[BaseException] = []
+
+        def island(name: str, model, target) -> None:
+            try:
+                inner = torch.optim.SGD(model.parameters(), lr=1.0)
+                islands = Islands(config.model_copy(update={"replica_id": name}), model, inner, rank=0, world=1)
+                for p in model.parameters():  # inner step 1: no move
+                    p.grad = torch.zeros_like(p)
+                inner.step()
+                for p, t in zip(model.parameters(), target, strict=True):  # step 2 lands on the target
+                    p.grad = p.detach() - t
+                inner.step()  # the H-th inner step: the outer step runs in its hook
+                islands.close()
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=island, args=(n, m, t)) for n, m, t in zip("ab", models, targets)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert not errors, errors
+
+    torch.manual_seed(0)
+    start = [p.detach().clone() for p in tiny_lm.parameters()]
+    targets = [[p + torch.randn_like(p) * 0.1 for p in start] for _ in "ab"]
+    mean = [(a + b) / 2 for a, b in zip(*targets, strict=True)]
+    lighthouse = serve_lighthouse("[::]:0", min_islands=2, join_timeout_ms=5_000, heartbeat_timeout_ms=2_000)
+    try:
+        base = dict(lighthouse=lighthouse.address(), host="localhost", sync_every=2, min_islands=2, timeout_s=20,
+                    quorum_timeout_s=60)  # fmt: skip
+        averaging = [copy.deepcopy(tiny_lm) for _ in "ab"]
+        outer_step(DilocoConfig(**base), averaging, targets)
+        for model in averaging:
+            for p, m in zip(model.parameters(), mean, strict=True):
+                torch.testing.assert_close(p.detach(), m, rtol=0, atol=1e-6)
+        nesterov = [copy.deepcopy(tiny_lm) for _ in "ab"]
+        outer_step(DilocoConfig(**base, outer_lr=0.7, outer_momentum=0.9, outer_nesterov=True), nesterov, targets)
+        # Nesterov's first step: global - lr * (1 + momentum) * mean pseudo-gradient
+        p, s, m = next(nesterov[0].parameters()).detach(), start[0], mean[0]
+        torch.testing.assert_close(p, s - 0.7 * 1.9 * (s - m), rtol=0, atol=1e-6)
     finally:
         lighthouse.shutdown()
 

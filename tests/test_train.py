@@ -30,9 +30,11 @@ pytestmark = pytest.mark.mesh
 STEPS = 6
 # Two trainer ranks, checkpoints every 2 steps, evaluation every 2 (and of the final policy),
 # TensorBoard and W&B (offline), the ref_kl preset (a loss swap: its reference is checkpointed and
-# resumed too); steps paced at 0.2 s so the kill lands mid-run.
+# resumed too), dynamic sampling (the random tiny model often scores both samples of a prompt 0);
+# steps paced at 0.2 s so the kill lands mid-run.
+REFILL = 2
 RUN = ["--max-steps", str(STEPS), "--topology.trainer.procs", "2", "--ckpt.interval", "2",
-       "--eval.interval", "2", "--eval.n", "2", "--eval.k", "2",
+       "--eval.interval", "2", "--eval.n", "2", "--eval.k", "2", "--generator.refill_uninformative", str(REFILL),
        "--metrics.tensorboard", "--metrics.wandb_project", "meshrl-test", "--metrics.wandb_mode", "offline",
        "--task.kwargs", '{"prompt_delay_s": 0.2}', *LOSS_SWAPS["ref_kl"]]  # fmt: skip
 
@@ -56,8 +58,9 @@ def test_run_killed_after_a_checkpoint_resumes_evaluates_and_refuses_a_rerun(tmp
     stream = random.Random(0)
     for _ in range(2):
         EchoTask().sample_prompts(stream, 2)
-    saved = json.loads((out / "checkpoints" / "step_2" / "controller.json").read_text())["data_rng"]
-    assert saved == json.loads(json.dumps(stream.getstate()))
+    saved = json.loads((out / "checkpoints" / "step_2" / "controller.json").read_text())
+    assert saved["data_rng"] == json.loads(json.dumps(stream.getstate()))  # refills draw from their own stream
+    assert "refill_rng" in saved
 
     result = train(out, *RUN, "--resume")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -77,6 +80,11 @@ def test_run_killed_after_a_checkpoint_resumes_evaluates_and_refuses_a_rerun(tmp
     assert any(r.get("loss/replay", 0) != 0 for r in metrics)  # the oracle teachers' pairs arrive a step later
     # max_async_level 1: step n trains on tokens of policy n-1 (or n, where its weights landed mid-episode)
     assert all(r["staleness/max"] <= 1 for r in metrics) and 0 < metrics[1]["staleness"] <= 1
+    # Dynamic sampling: a step with all-equal groups asked for fresh ones (up to REFILL), and trained on them.
+    for r in metrics:
+        assert r["groups/refilled"] <= REFILL and (r["groups/refilled"] > 0) == (r["groups/uninformative"] > 0)
+        assert r["rollouts"] == (2 + r["groups/refilled"]) * 2  # 2 prompts a step, 2 samples each
+    assert any(r["groups/refilled"] for r in metrics)
 
     actors = json.loads((out / "topology.json").read_text())["actors"]
     roles = sorted((a["role"], a["rank"]) for a in actors)

@@ -117,9 +117,20 @@ class Islands:
     def _local_state(self) -> dict[str, Any]:
         """What a healing island receives besides the global weights: this island's local model
         and inner optimizer (copies: the transport serves them while training goes on)."""
-        return own_copy({"model": self.model.state_dict(), "inner": self.inner.state_dict()}, clone_tensors=True)
+        state = {
+            "model": self.model.state_dict(),
+            "inner": self.inner.state_dict(),
+            "step": self.manager.current_step(),
+        }
+        return own_copy(state, clone_tensors=True)
 
     def _load_local(self, state: dict[str, Any]) -> None:
+        """An island behind the others takes a live island's local model and inner optimizer. At
+        the first outer step (torchft's init sync: every island at step 0) an island keeps its
+        own: it adopts the global weights only, so its first H steps still count (taking the
+        other's local model would have averaged one island's work with itself)."""
+        if state["step"] == 0:
+            return
         self.model.load_state_dict(state["model"])
         self.inner.load_state_dict(state["inner"])
 
