@@ -11,9 +11,8 @@ import threading
 import typing
 from pathlib import Path
 
-from pydantic import BaseModel
-
 from meshrl.configs import ConfigError, RunConfig, load_config, to_toml
+from meshrl.configs.keys import config_keys, models_in
 from meshrl.traces.claude_code import TraceFormatError, ingest_claude_code
 
 CONFIG_FORMS = """config sources, applied left to right:
@@ -32,7 +31,7 @@ def _sections() -> str:
     """The run config's sections, for `--help` (`meshrl config keys` lists every key)."""
     lines = ["config sections (meshrl config keys lists every key):"]
     for name, field in RunConfig.model_fields.items():
-        if _models_in(field.annotation):
+        if models_in(field.annotation):
             lines.append(f"  {name:<21} {field.description}")
     return "\n".join(lines)
 
@@ -54,45 +53,8 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _type_name(annotation: object) -> str:
-    if typing.get_origin(annotation) is typing.Literal:
-        return "|".join(str(v) for v in typing.get_args(annotation))
-    return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
-
-
-def _models_in(annotation: object) -> list[type[BaseModel]]:
-    """The config models inside an annotation: itself, a tagged union's members, a list's items."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return [annotation]
-    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
-
-
-def _describe(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str, str, str]]:
-    """(dotted key, type, default, description) for every leaf field; union members by tag."""
-    rows = []
-    for name, field in model.model_fields.items():
-        key = f"{prefix}{name}"
-        default = "(required)" if field.is_required() else repr(field.get_default(call_default_factory=True))
-        models = _models_in(field.annotation)
-        if prefix.endswith("].") and name in ("type", "backend"):
-            continue  # the tag is in the key already
-        if len(models) == 1 and typing.get_origin(field.annotation) is not list:
-            rows += _describe(models[0], key + ".")
-        elif models:
-            tag_name = "type" if "type" in models[0].model_fields else "backend"
-            tags = [m.model_fields[tag_name].default for m in models]
-            list_key = f"{key}[]" if typing.get_origin(field.annotation) is list else key
-            shown = "[]" if list_key != key else repr(getattr(field.get_default(call_default_factory=True), tag_name))
-            rows.append((f"{list_key}.{tag_name}", "|".join(tags), shown, field.description or ""))
-            for tag, member in zip(tags, models):
-                rows += _describe(member, f"{key}[{tag}].")
-        else:
-            rows.append((key, _type_name(field.annotation), default, field.description or ""))
-    return rows
-
-
 def _cmd_config_keys(args: argparse.Namespace) -> int:
-    rows = [("KEY", "TYPE", "DEFAULT", "MEANING"), *_describe(RunConfig)]
+    rows = [("KEY", "TYPE", "DEFAULT", "MEANING"), *((k.key, k.type, k.default, k.description) for k in config_keys())]
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     for key, type_name, default, description in rows:
         print(f"{key:<{widths[0]}}  {type_name:<{widths[1]}}  {default:<{widths[2]}}  {description}")

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from meshrl.configs import load_config
+from meshrl.run.metric_names import meaning
 from meshrl.topology.faults import worker_reachable
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,7 +48,12 @@ def train(out: Path, *extra: str, timeout: int = 240) -> subprocess.CompletedPro
 
 
 def records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    """The run's metric records; every key they hold has a line in the metrics glossary (the
+    manual's metrics reference is generated from it)."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    unexplained = sorted({key for row in rows for key in row if meaning(key) is None})
+    assert not unexplained, f"logged keys missing from meshrl.run.metric_names.METRICS: {unexplained}"
+    return rows
 
 
 # A loss swap needs no code change: each of these config changes trains. The runs that carry one

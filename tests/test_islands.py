@@ -23,6 +23,7 @@ pytest.importorskip("torchft")  # the [islands] extra (in [dev], so CI runs thes
 from meshrl.trainer.islands import model_fragments, serve_lighthouse
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
+import e2e
 from e2e import ENV, LOSS_SWAPS, MESHRL, REPO, SMALL, assert_loss_swap
 
 STEPS, H = 24, 2
@@ -33,8 +34,7 @@ ISLAND = [*SMALL, "--max-steps", str(STEPS), "--ckpt.interval", "2",
 
 
 def records(out: Path) -> list[dict]:
-    path = out / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return e2e.records(out) if (out / "metrics.jsonl").exists() else []
 
 
 def island(out: Path, name: str, lighthouse: str, *extra: str) -> subprocess.Popen:
@@ -219,6 +219,20 @@ def test_outer_lr_1_without_momentum_averages_the_islands(tiny_lm):
         torch.testing.assert_close(p, s - 0.7 * 1.9 * (s - m), rtol=0, atol=1e-6)
     finally:
         lighthouse.shutdown()
+
+
+def test_islands_draw_their_own_prompts_from_one_seed():
+    """Islands share `seed` (the same model and warm start) but not their prompt and sampling
+    streams: two islands on one stream would train on the same rollouts."""
+    from meshrl.configs import load_config
+    from meshrl.run.controller import stream_seed
+
+    def seed(*args: str) -> int:
+        return stream_seed(load_config(["--seed", "3", *args]))
+
+    assert seed() == 3
+    a, b = seed("--trainer.diloco.replica_id", "a"), seed("--trainer.diloco.replica_id", "b")
+    assert len({3, a, b}) == 3 and a == seed("--trainer.diloco.replica_id", "a")
 
 
 @pytest.mark.parametrize(

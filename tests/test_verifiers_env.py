@@ -30,6 +30,7 @@ from meshrl.traces.errors import ErrorClassifier
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
 from e2e import MESHRL, REPO, SMALL
+from e2e import records as e2e_records
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO / "tests" / "fixtures")}
 
@@ -176,7 +177,7 @@ def test_train_on_a_verifiers_taskset_through_real_meshes(tmp_path):
             "--eval.interval", "2", "--eval.n", "2", "--eval.k", "2"]  # fmt: skip
     result = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=REPO, env=ENV)
     assert result.returncode == 0, result.stderr[-3000:]
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = e2e_records(out)
     assert [r["step"] for r in records] == [0, 1]
     for r in records:
         assert r["reward/mean"] == pytest.approx(r["rubric/correct"] + 0.5 * r["rubric/short"])

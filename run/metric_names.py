@@ -1,0 +1,140 @@
+"""What every key of `metrics.jsonl` means: the manual's metrics reference is generated from this
+glossary, and the end-to-end tests fail on a logged key it does not explain. `<name>` stands for
+one family of keys (a rubric component, a rejection reason, eval's k)."""
+
+from __future__ import annotations
+
+import re
+from functools import cache
+
+METRICS: dict[str, dict[str, str]] = {
+    "Step": {
+        "step": "0-based index of the optimizer step the record describes.",
+        "policy_version": "Policy version this step produced (step + 1); the generators load it next.",
+    },
+    "Reward and rollouts": {
+        "reward/mean": "Mean reward of the step's fresh (trained-on) rollouts, outside workers' and refills' included.",
+        "rollouts": "Fresh rollouts the step used (after stale ones were dropped; refill groups included).",
+        "rollouts/cut_off": "Fresh rollouts whose last turn hit generator.max_new_tokens.",
+        "rollouts/cut_off_masked": "Cut-off rollouts left out of the RL loss (trainer.mask_truncated_completions).",
+        "rollouts/external": "Fresh rollouts from outside rollout workers (ingress on).",
+        "reward/external": "Mean reward of the outside workers' rollouts (NaN on a step without any; ingress on).",
+        "truncated": "RL rollouts longer than trainer.micro_batch_tokens, cut to that many tokens.",
+        "tool_errors": "Tool calls that returned an error, summed over the step's rollouts.",
+        "dropped_stale": "Rollouts dropped so far as older than generator.max_off_policy_steps versions (cumulative).",
+        "lost_rollouts": "Rollouts lost so far in flight on a generator that died (cumulative).",
+        "generator/respawns": "Generator actors replaced after dying since the run (or its resume) started.",
+        "staleness": "Mean over sampled tokens of (step − the policy version that sampled the token).",
+        "staleness/max": "Largest token staleness of the step, in policy versions.",
+        "replay_pairs": "DPO pairs mined from teacher answers since the previous step.",
+        "groups/uninformative": "The step's own groups whose rewards were all equal (advantage 0).",
+        "groups/refilled": "Extra groups asked for to replace uninformative ones (generator.refill_uninformative).",
+        "rubric/<component>": "Mean of one reward term of the task's rubric (scoring tasks: verifiers, HumanEval).",
+        "task_metric/<metric>": "Mean of an observation the task logs beside its reward (scoring tasks).",
+    },
+    "Throughput and time": {
+        "rollout_tokens_per_s": "Sampled tokens of the fresh rollouts per second of time/generate.",
+        "train_tokens_per_s": "RL loss-mask tokens (all ranks) per second of time/train.",
+        "time/step": "Wall seconds of the whole step, from feeding the generators to the record.",
+        "time/generate": "Seconds from the step's first group starting to its last group finishing.",
+        "time/wait_rollouts": "Seconds the controller waited for (and refilled) rollouts before training.",
+        "time/train": "Seconds of the trainer's step on every rank (a DiLoCo outer step included).",
+        "time/weight_sync": "Seconds the controller spent publishing the new weights (not the generators' load).",
+    },
+    "Optimizer": {
+        "grad_norm": "Gradient L2 norm before clipping (non-finite on a skipped step).",
+        "skipped_steps": "Optimizer steps skipped so far for a NaN/Inf gradient (cumulative).",
+        "lr": "Learning rate after this step's scheduler step (the next step's).",
+    },
+    "Losses": {
+        "loss/total": "loss/rl + replay weight · loss/replay + SDPO weight · loss/sdpo.",
+        "loss/rl": "RL loss per loss-mask token (absent when no rollout had a non-zero advantage).",
+        "loss/replay": "Replay channel's DPO or SimPO loss, unweighted (steps with pairs).",
+        "loss/sdpo": "SDPO channel's self-distillation loss at tool-error recovery tokens, unweighted.",
+        "masked_mismatch_kl": "dppo_kl / ipo: trainer-vs-sampler KL (nats) over the tokens the trust region masked.",
+        "unmasked_mismatch_kl": "dppo_kl / ipo: trainer-vs-sampler KL (nats) over the tokens that kept their gradient.",
+        "is_masked": "dppo_kl / ipo: fraction of loss-mask tokens the trust region masked.",
+        "is_masked_low": "dppo_kl: fraction masked because a negative-advantage token's probability fell too far.",
+        "is_masked_high": "dppo_kl: fraction masked because a positive-advantage token's probability rose too far.",
+        "masked_advantage_positive": "dppo_kl: of the masked tokens, the fraction with a positive advantage.",
+        "masked_advantage_negative": "dppo_kl: of the masked tokens, the fraction with a negative advantage.",
+        "ref_kl": "ref_kl: mean (reference − policy) logprob over loss-mask tokens, nats.",
+        "ref_kl/masked_mismatch_kl": "ref_kl: trainer-vs-sampler KL (nats) over the masked tokens.",
+        "ref_kl/unmasked_mismatch_kl": "ref_kl: trainer-vs-sampler KL (nats) over the kept tokens.",
+        "ref_kl/is_masked": "ref_kl: fraction of loss-mask tokens masked (probability fell more than mask_low).",
+        "tis/capped": "tis: fraction of loss-mask tokens whose importance weight was truncated at cap.",
+        "tis/ratio_mean": "tis: mean importance weight over loss-mask tokens, before truncation.",
+        "tis/ratio_max": "tis: per-sample largest importance weight, averaged over samples.",
+        "mis/masked": "mis: fraction of loss-mask tokens whose weight is outside [low, high] (no gradient).",
+        "mis/masked_low": "mis: fraction with a weight below low.",
+        "mis/masked_high": "mis: fraction with a weight above high.",
+        "mis/ratio_mean": "mis: mean importance weight over loss-mask tokens.",
+        "mis/ratio_max": "mis: per-sample largest importance weight, averaged over samples.",
+        "mismatch_kl": "tis / mis: trainer-vs-sampler KL (nats) over all loss-mask tokens.",
+        "sdpo/tokens": "Recovery tokens in trainer rank 0's SDPO rows.",
+        "replay/<stat>": "Replay channel on rank 0's pairs: implicit rewards of chosen and rejected, "
+        "their margin, accuracy and the chosen NLL.",
+    },
+    "Collation": {
+        "collate/truncated": "Trace rows the collator cut to its max_seq_len.",
+        "collate/sdpo_dropped": "SDPO error sites dropped (student and hinted rows did not share recovery tokens).",
+        "collate/dpo_dropped": "DPO pairs dropped for exceeding max_seq_len.",
+    },
+    "Teachers": {
+        "teacher/actor_failures": "Teacher actors that died mid-round (each respawned; cumulative).",
+        "teacher/late_rounds": "Polls that found a teacher round still out (once per step per round).",
+        "teacher/calls": "Requests made to teacher backends (cache misses within budget; cumulative).",
+        "teacher/cache_hits": "Answers served from the on-disk teacher cache (cumulative).",
+        "teacher/failures": "Teacher requests that gave no usable action (cumulative).",
+        "teacher/skipped_budget": "Requests skipped once teachers.usd_ceiling was reached (cumulative).",
+        "teacher/usd_spent": "USD spent on paid teacher endpoints (cumulative).",
+    },
+    "Evaluation": {
+        "eval/reward_greedy": "Mean reward of one greedy episode per eval prompt.",
+        "eval/reward_sampled": "Mean reward of eval.k sampled episodes per prompt.",
+        "eval/pass@<k>": "Unbiased pass@k (reward ≥ eval.success_threshold passes); k = 1 and eval.k.",
+        "eval/rubric/<component>": "Rubric term over the sampled eval episodes (scoring tasks).",
+        "eval/task_metric/<metric>": "Task metric over the sampled eval episodes (scoring tasks).",
+        "eval/policy_version": "The policy version these eval numbers describe (they land when it finishes).",
+    },
+    "Islands (DiLoCo)": {
+        "diloco/outer_steps": "Outer steps committed so far (torchft's step; fragment syncs with Streaming DiLoCo).",
+        "diloco/islands": "Islands in the last outer step's quorum (0 before the first).",
+        "diloco/pseudo_grad_norm": "L2 norm of the islands' averaged pseudo-gradient at the last outer step.",
+        "diloco/payload_bytes": "Pseudo-gradient bytes this rank handed to the outer all-reduce (cumulative).",
+        "diloco/global_crc": "Checksum of the global weights: equal on every island after a shared outer step.",
+    },
+    "Ingress (outside rollout workers)": {
+        "ingress/offered": "Groups offered to outside workers (cumulative).",
+        "ingress/leased": "Leases handed to workers (cumulative).",
+        "ingress/accepted": "Submitted groups that passed verification (cumulative).",
+        "ingress/accepted_rollouts": "Rollouts in the accepted groups (cumulative).",
+        "ingress/reclaimed": "Offered groups the mesh's generators ran instead (unleased, expired or rejected).",
+        "ingress/expired": "Reclaimed groups whose lease expired (ingress.lease_timeout_s).",
+        "ingress/late": "Submissions after their lease expired or from before a controller restart.",
+        "ingress/refused": "CURVE handshakes refused (key not authorized, or banned).",
+        "ingress/errors": "Worker requests whose handling raised an exception.",
+        "ingress/weight_bytes_sent": "Bytes of policy weights served to workers.",
+        "ingress/rejected/<reason>": "Rejected requests by reason (malformed, replayed, reward_mismatch, "
+        "logprob_mismatch, ...).",
+        "ingress/workers": "Distinct worker keys seen since this controller started.",
+        "ingress/banned_keys": "Worker keys banned after ingress.max_strikes strikes.",
+        "ingress/verify_s": "Seconds spent verifying submissions since this controller started.",
+        "ingress/verified_tokens": "Sampled tokens re-scored with the claimed policy version.",
+    },
+}
+
+
+@cache
+def _patterns() -> list[tuple[re.Pattern[str], str]]:
+    return [
+        (re.compile("".join(".+" if part.startswith("<") else re.escape(part) for part in re.split(r"(<\w+>)", key))
+                    + "$"), meaning)
+        for group in METRICS.values()
+        for key, meaning in group.items()
+    ]  # fmt: skip
+
+
+def meaning(key: str) -> str | None:
+    """The glossary's line for a logged key, or None when it has none."""
+    return next((text for pattern, text in _patterns() if pattern.match(key)), None)
