@@ -68,7 +68,8 @@ def test_source_command_help_explains_forms():
 
 def test_version_and_train_help_lists_the_config_sections():
     version = meshrl("--version")
-    assert version.returncode == 0 and version.stdout.strip() == "meshrl 0.1.0"
+    released = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    assert version.returncode == 0 and version.stdout.strip() == f"meshrl {released}"
     out = meshrl("train", "--help").stdout
     for section in ("model", "topology", "generator", "trainer", "loss", "teachers", "task", "metrics", "ingress"):
         assert f"\n  {section} " in out, section
