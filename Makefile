@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml
 	PYTHONDONTWRITEBYTECODE= $(BIN)/python -c 'import $(WARM)'
 	touch $@
 
-.PHONY: setup train test test-fast bench
+.PHONY: setup train test test-fast bench docs
 setup: $(VENV)/.installed
 
 train: $(VENV)/.installed
@@ -41,3 +41,8 @@ test-fast: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/chunked_logprobs.py
 	$(BIN)/python benchmarks/collator_throughput.py
+
+# The manual: regenerate its reference pages (config keys, CLI, metrics), then build it into site/.
+docs: $(VENV)/.installed
+	$(BIN)/python -m meshrl.cli.docs
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict

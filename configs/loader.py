@@ -184,7 +184,7 @@ def _format_errors(exc: ValidationError, merged: dict[str, Any], where: dict[tup
     return "invalid config:\n  " + "\n  ".join(lines)
 
 
-# PRIME-RL's names for what meshrl calls otherwise (README "PRIME-RL names"): its loss section
+# PRIME-RL's names for what meshrl calls otherwise (docs/reference/run-configs.md): its loss section
 # lives under `trainer`, and its DPPO+KL loss is `type = "default"`.
 PRIME_RL_LOSS_TYPES = {"default": "dppo_kl"}
 

@@ -277,7 +277,7 @@ class GeneratorConfig(Section):
 
 
 class DilocoConfig(Section):
-    """DiLoCo across trainer islands through torchft (README "Training across clusters")."""
+    """DiLoCo across trainer islands through torchft (docs/guides/islands.md)."""
 
     replica_id: str | None = Field(
         None, description="This island's name among the islands (unset: DiLoCo off, one ordinary trainer mesh)."
@@ -298,7 +298,7 @@ class DilocoConfig(Section):
     )
     # RL's pseudo-gradients are small and noisy: the DiLoCo paper's pretraining choice (Nesterov,
     # lr 0.7, momentum 0.9) amplifies them up to 7x once momentum builds. Averaging every 5 steps
-    # kept two islands level with one on the embedded default (README "Training across clusters").
+    # kept two islands level with one on the embedded default (docs/guides/islands.md).
     outer_lr: float = Field(1.0, gt=0, description="Outer SGD learning rate (1 with momentum 0: parameter averaging).")
     outer_momentum: float = Field(0.0, ge=0, lt=1, description="Outer SGD momentum (the DiLoCo paper's 0.9).")
     outer_nesterov: bool = Field(

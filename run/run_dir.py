@@ -177,7 +177,8 @@ class RunDir:
         if seen != token:
             raise RuntimeError(
                 f"output_dir {self.root.resolve()} is not the same directory on the trainer's rank-0 host: "
-                "checkpoints need a filesystem shared by the controller and the trainer hosts (see README)"
+                "checkpoints need a filesystem shared by the controller and the trainer hosts (see "
+                "docs/guides/real-model.md, 'Durable checkpoints and the shared filesystem')"
             )
 
     # ------------------------------------------------------------------ topology

@@ -113,7 +113,7 @@ def task_tools(task: Any) -> list[dict[str, Any]] | None:
 
 # A task may set `replayable_tools = False` when its tools cannot be run twice with the same
 # result (a sandbox with side effects): the ingress then takes tool turns of outside workers
-# from their messages instead of replaying them (README "Decentralized rollouts").
+# from their messages instead of replaying them (docs/guides/decentralized-rollouts.md).
 
 
 @runtime_checkable

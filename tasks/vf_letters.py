@@ -2,7 +2,7 @@
 
 Written against verifiers' API only, as a third-party environment package would be
 (`task.kwargs.env = "meshrl.tasks.vf_letters"`). Its rubric is graded, so the embedded tiny
-model, trained from scratch, gets a reward signal from its first step (README "Environments").
+model, trained from scratch, gets a reward signal from its first step (docs/guides/environments.md).
 """
 
 import verifiers.v1 as vf
@@ -30,10 +30,15 @@ class LettersTask(vf.Task[LettersData]):
         return float(len(trace.last_reply))
 
 
-class LettersTaskset(vf.Taskset[LettersTask, vf.TasksetConfig]):
+class LettersConfig(vf.TasksetConfig):
+    system_prompt_text: str | None = None  # e.g. "Answer with one word." (task.kwargs.args)
+
+
+class LettersTaskset(vf.Taskset[LettersTask, LettersConfig]):
     def load(self):
         for letter in LETTERS:
-            yield LettersTask(LettersData(prompt=f"Say a word with many {letter} letters.", letter=letter))
+            prompt = f"Say a word with many {letter} letters."
+            yield LettersTask(LettersData(prompt=prompt, system_prompt=self.config.system_prompt_text, letter=letter))
 
 
 __all__ = ["LettersTaskset"]

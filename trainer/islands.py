@@ -3,8 +3,8 @@
 Each island is an ordinary `meshrl train` (its own generators, rollouts and trainer mesh). Every
 trainer step is one inner step; every `sync_every` of them (per fragment, in turn, for Streaming
 DiLoCo) an island averages its pseudo-gradient — global weights minus local ones — with the
-other islands' and takes an outer Nesterov-SGD step from the global weights. torchft does all of
-the outer loop's communication: membership through its lighthouse (`meshrl lighthouse`),
+other islands' and takes an outer SGD step from the global weights (by default lr 1 without
+momentum: the islands' weights averaged). torchft does all of the outer loop's communication: membership through its lighthouse (`meshrl lighthouse`),
 quorums per outer step, gloo/nccl all-reduces, and healing: an island that joins late or comes
 back from `--resume` behind the others receives the current global weights and outer optimizer
 state from a live island over HTTP. An island that dies drops out of the next quorum.
