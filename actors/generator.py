@@ -33,7 +33,7 @@ class GeneratorActor(Actor):
         g = config.generator
         gpus = role_gpus(config.topology, "generator", self.rank)
         if proc_device(config.topology, "generator", self.rank).type == "cpu":  # also refuses GPUs the host lacks
-            torch.set_num_threads(cpu_threads(config.topology))
+            torch.set_num_threads(cpu_threads())
         engine = make_engine(g.backend, model_path, config.model.dtype, gpus)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         episodes = EpisodeFormat(tokenizer, make_task(config.task), ChatSettings.of(config.model))

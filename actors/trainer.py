@@ -33,7 +33,7 @@ class TrainerActor(Actor):
         if device.type == "cuda":
             torch.cuda.set_device(device)
         else:
-            torch.set_num_threads(cpu_threads(self.config.topology))
+            torch.set_num_threads(cpu_threads())
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world > 1 and not dist.is_initialized():
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo")

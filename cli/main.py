@@ -11,6 +11,11 @@ import threading
 import typing
 from pathlib import Path
 
+# Every process a command starts (meshes, workers) gives its cores to OpenMP workers that sleep
+# when idle: a host's generator and trainer processes each use all its cores and take turns
+# (topology.devices.cpu_threads). Set before torch loads anywhere below.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from meshrl.configs import ConfigError, RunConfig, load_config, to_toml
 from meshrl.configs.keys import config_keys, models_in
 from meshrl.traces.claude_code import TraceFormatError, ingest_claude_code

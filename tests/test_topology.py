@@ -217,10 +217,13 @@ def test_vllm_generators_need_exactly_one_gpu_each():
     assert load_config(["--generator.backend", "vllm", "--topology.generator.gpus_per_proc", "1"])
 
 
-def test_cpu_processes_split_the_host_cores_between_generators_and_trainers(monkeypatch):
+def test_cpu_processes_take_every_core_and_their_idle_openmp_workers_sleep(monkeypatch):
+    """Generator and trainer share a host's cores by taking turns: each process uses them all,
+    and every process `meshrl` starts inherits OMP_WAIT_POLICY=PASSIVE (spinning idle workers
+    would slow the other process several-fold)."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
-    assert cpu_threads(load_config([]).topology) == 4  # one generator, one trainer
-    split = load_config(["--topology.generator.procs", "2", "--topology.trainer.procs", "2"]).topology
-    assert cpu_threads(split) == 2
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
-    assert cpu_threads(split) == 1  # never zero
+    assert cpu_threads() == 8
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    probe = "import os, meshrl.cli.main; print(os.environ['OMP_WAIT_POLICY'])"
+    shown = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert shown.stdout.strip() == "PASSIVE"

@@ -41,10 +41,11 @@ def proc_device(topology: TopologyConfig, role: str, rank: int) -> torch.device:
     return torch.device("cuda", gpus[0])
 
 
-def cpu_threads(topology: TopologyConfig) -> int:
-    """Intra-op threads of a CPU process: this host's cores split among the generator and
-    trainer processes, which every placement puts on its first host together. With generation
-    running ahead they compute at once, and more busy threads than cores makes OpenMP's
-    spinning workers slow each other several-fold (1 s training steps took 7-11 s on 2 cores)."""
-    busy = topology.generator.procs + topology.trainer.procs
-    return max(1, len(os.sched_getaffinity(0)) // busy)
+def cpu_threads() -> int:
+    """Intra-op threads of a CPU process: every core of its host. The generator and trainer
+    processes share the host and compute at once only part of a step: a train-bound step
+    (SmolLM2: 9 s of generation, 27 s of training on one core) left half the cores idle when each
+    had its share. OpenMP's idle workers must sleep for the sharing to work (OMP_WAIT_POLICY =
+    PASSIVE, which `meshrl` sets for every process it starts): spinning ones slowed 1 s training
+    steps to 7-11 s on 2 cores."""
+    return len(os.sched_getaffinity(0))
