@@ -4,8 +4,8 @@ Each island is an ordinary `meshrl train` (its own generators, rollouts and trai
 trainer step is one inner step; every `sync_every` of them (per fragment, in turn, for Streaming
 DiLoCo) an island averages its pseudo-gradient — global weights minus local ones — with the
 other islands' and takes an outer SGD step from the global weights (by default lr 1 without
-momentum: the islands' weights averaged). torchft does all of the outer loop's communication: membership through its lighthouse (`meshrl lighthouse`),
-quorums per outer step, gloo/nccl all-reduces, and healing: an island that joins late or comes
+momentum: the islands' weights averaged). torchft does all of the outer loop's communication:
+membership through its lighthouse (`meshrl lighthouse`), quorums per outer step, gloo/nccl all-reduces, and healing: an island that joins late or comes
 back from `--resume` behind the others receives the current global weights and outer optimizer
 state from a live island over HTTP. An island that dies drops out of the next quorum.
 
@@ -116,12 +116,12 @@ class Islands:
 
     def _local_state(self) -> dict[str, Any]:
         """What a healing island receives besides the global weights: this island's local model
-        and inner optimizer (copies: the transport serves them while training goes on)."""
-        state = {
-            "model": self.model.state_dict(),
-            "inner": self.inner.state_dict(),
-            "step": self.manager.current_step(),
-        }
+        and inner optimizer (copies: the transport serves them while training goes on); nothing
+        at torchft's init sync, where the receiver keeps its own (`_load_local`)."""
+        step = self.manager.current_step()
+        if step == 0:
+            return {"step": step}
+        state = {"model": self.model.state_dict(), "inner": self.inner.state_dict(), "step": step}
         return own_copy(state, clone_tensors=True)
 
     def _load_local(self, state: dict[str, Any]) -> None:
