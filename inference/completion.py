@@ -70,9 +70,10 @@ def generate_all(
     check_sampling(prompts, temperature, top_p, max_new_tokens)
     seqs = [engine.sequence(prompt, s) for prompt, s in zip(prompts, request_seeds(seed, len(prompts)))]
     batch = engine.batch()
-    for seq in seqs:
-        if engine.begin_turn(seq, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
-                             stop_token_ids=stop_token_ids):  # fmt: skip
+    going = engine.begin_turns(seqs, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                               stop_token_ids=stop_token_ids)  # fmt: skip
+    for seq, on in zip(seqs, going):
+        if on:
             batch.add(seq)
     while len(batch):
         batch.step()

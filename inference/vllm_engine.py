@@ -112,29 +112,31 @@ class VLLMEngine:
     def batch(self) -> VLLMBatch:
         return VLLMBatch(self)
 
-    def begin_turn(
+    def begin_turns(
         self,
-        seq: VLLMSequence,
+        seqs: list[VLLMSequence],
         *,
         temperature: float,
         top_p: float,
         max_new_tokens: int,
         stop_token_ids: list[int] | None = None,
-    ) -> bool:
-        """Queue the turn as a request over the whole conversation: vLLM's prefix cache finds the
-        blocks of the earlier turns, so only the new ids are prefilled. Tokens come in `VLLMBatch.step`."""
+    ) -> list[bool]:
+        """Queue each turn as a request over its whole conversation: vLLM's prefix cache finds the
+        blocks of the earlier turns, so only the new ids are prefilled, and its scheduler batches
+        the prefills. Tokens come in `VLLMBatch.step`; every turn goes on."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        check_sampling([seq.ids], temperature, top_p, max_new_tokens)
-        seq.turn = Completion(list(seq.ids), [], [], "length")
-        seq.request_id = f"{id(seq)}-{seq.turns}"
-        seq.turns += 1
-        kwargs = to_sampling_kwargs(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
-                                    stop_token_ids=stop_token_ids, seed=seq.rng.getrandbits(63))  # fmt: skip
-        params = SamplingParams(**kwargs, output_kind=RequestOutputKind.DELTA)
-        self._llm.llm_engine.add_request(seq.request_id, to_prompt_inputs([seq.ids], self._version)[0], params)
-        return True
+        check_sampling([seq.ids for seq in seqs], temperature, top_p, max_new_tokens)
+        for seq in seqs:
+            seq.turn = Completion(list(seq.ids), [], [], "length")
+            seq.request_id = f"{id(seq)}-{seq.turns}"
+            seq.turns += 1
+            kwargs = to_sampling_kwargs(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                                        stop_token_ids=stop_token_ids, seed=seq.rng.getrandbits(63))  # fmt: skip
+            params = SamplingParams(**kwargs, output_kind=RequestOutputKind.DELTA)
+            self._llm.llm_engine.add_request(seq.request_id, to_prompt_inputs([seq.ids], self._version)[0], params)
+        return [True] * len(seqs)
 
     def generate(
         self,

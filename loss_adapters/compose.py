@@ -98,8 +98,10 @@ def _rl_channel(
     chunk_size: int,
     temperature: float,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    logprobs = sequence_token_logprobs(model, batch["input_ids"], chunk_size, temperature, **_forward_kwargs(batch, ""))
     loss_mask = batch["loss_mask"].bool()
+    logprobs = sequence_token_logprobs(
+        model, batch["input_ids"], chunk_size, temperature, loss_mask, **_forward_kwargs(batch, "")
+    )
     total = logprobs.sum() * 0.0  # keeps a graph even when every sample is empty
     per_metric: dict[str, list[Tensor]] = {}
     for row, start, end in sample_spans(batch):
@@ -131,7 +133,9 @@ def reference_sums(ref_model: nn.Module, batch: dict[str, Tensor], chunk_size: i
     with torch.no_grad():
         for side in ("chosen", "rejected"):
             ids, mask = batch[f"dpo_{side}_input_ids"], batch[f"dpo_{side}_response_mask"]
-            ref = sequence_token_logprobs(ref_model, ids, chunk_size, **_forward_kwargs(batch, f"dpo_{side}_"))
+            ref = sequence_token_logprobs(
+                ref_model, ids, chunk_size, 1.0, mask, **_forward_kwargs(batch, f"dpo_{side}_")
+            )
             sums[f"dpo_ref_{side}_logprob"] = (ref * mask.to(ref.dtype)).sum(-1)
     return sums
 
@@ -143,7 +147,7 @@ def reference_logprobs(
     the policy's are scored, under the key (`ref_logprobs`) ref_kl reads."""
     with torch.no_grad():
         ref = sequence_token_logprobs(
-            ref_model, batch["input_ids"], chunk_size, temperature, **_forward_kwargs(batch, "")
+            ref_model, batch["input_ids"], chunk_size, temperature, batch["loss_mask"], **_forward_kwargs(batch, "")
         )
     return {"ref_logprobs": ref}
 
@@ -154,7 +158,12 @@ def _replay_channel(
     channel = config.replay
     logprobs = {
         side: sequence_token_logprobs(
-            model, batch[f"dpo_{side}_input_ids"], chunk_size, **_forward_kwargs(batch, f"dpo_{side}_")
+            model,
+            batch[f"dpo_{side}_input_ids"],
+            chunk_size,
+            1.0,
+            batch[f"dpo_{side}_response_mask"],
+            **_forward_kwargs(batch, f"dpo_{side}_"),
         )
         for side in ("chosen", "rejected")
     }

@@ -113,16 +113,26 @@ def hidden_states(model: nn.Module, input_ids: Tensor, **forward_kwargs) -> Tens
 
 
 def sequence_token_logprobs(
-    model: nn.Module, input_ids: Tensor, chunk_size: int = 1024, temperature: float = 1.0, **forward_kwargs
+    model: nn.Module,
+    input_ids: Tensor,
+    chunk_size: int = 1024,
+    temperature: float = 1.0,
+    positions: Tensor | None = None,
+    **forward_kwargs,
 ) -> Tensor:
     """Logprob of each token given its prefix, (B, T), aligned with `input_ids`; position 0 is 0.
 
     This is the alignment of inference logprobs (one per sampled token), so loss masks and
-    sampler logprobs index the same positions.
+    sampler logprobs index the same positions. `positions` (B, T, bool) scores only those tokens
+    (a loss mask) and leaves 0 elsewhere: the head's matmul over the vocabulary costs as much
+    as several decoder layers per token, and prompt and tool-output tokens need none.
     """
     hidden = hidden_states(model, input_ids, **forward_kwargs)
     batch, length, width = hidden.shape
-    flat = chunked_token_logprobs(
-        hidden[:, :-1].reshape(-1, width), lm_head_weight(model), input_ids[:, 1:].reshape(-1), chunk_size, temperature
-    )
-    return torch.cat([flat.new_zeros(batch, 1), flat.view(batch, length - 1)], dim=1)
+    labels = input_ids[:, 1:]
+    take = torch.ones_like(labels, dtype=torch.bool) if positions is None else positions[:, 1:].bool()
+    scored = chunked_token_logprobs(hidden[:, :-1][take], lm_head_weight(model), labels[take], chunk_size, temperature)
+    if positions is None:
+        return torch.cat([scored.new_zeros(batch, 1), scored.view(batch, length - 1)], dim=1)
+    where = torch.cat([take.new_zeros(batch, 1), take], dim=1)
+    return scored.new_zeros(batch, length).masked_scatter(where, scored)

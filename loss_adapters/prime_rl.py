@@ -24,7 +24,8 @@ from torch import Tensor
 
 @dataclass
 class LossInputs:
-    """One sample's 1-D per-token tensors, PRIME-RL's field names and order."""
+    """One sample's 1-D per-token tensors, PRIME-RL's field names and order. The trainer scores only
+    loss-mask tokens: `trainer_logprobs` (and `ref_logprobs`) hold 0 outside `loss_mask`."""
 
     trainer_logprobs: Tensor
     inference_logprobs: Tensor

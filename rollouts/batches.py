@@ -1,13 +1,17 @@
 """From scored rollouts (and mined pairs) to each trainer rank's micro-batches.
 
 RL rows come straight from the rollouts' token ids (what the policy sampled), packed
-first-fit-decreasing into [1, micro_batch_tokens] micro-batches and dealt round-robin to
-the ranks. SDPO rows (error sites of the rollouts, hint from the task) and replay-DPO rows
+first-fit-decreasing into rows as wide as the step's longest rollout, stacked into
+micro-batches of at most micro_batch_tokens tokens and dealt round-robin to the ranks.
+Rows no wider than needed matter: attention over a packed row is dense (every token scores
+every other one in the row, then masks), so a 1024-wide row of 18 short rollouts trained
+1.6x slower than the same rollouts as an 18-row batch (SmolLM2 on CPU). SDPO rows (error sites of the rollouts, hint from the task) and replay-DPO rows
 go through the TraceCollator into one auxiliary batch per rank.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -58,7 +62,8 @@ def rl_shards(
     With `mask_truncated`, rollouts whose last turn the generator cut off at its token limit are
     left out too (TRL's `mask_truncated_completions`, DAPO's overlong filtering): their advantage
     was computed, and shaped their group's, but an unfinished answer is not trained on.
-    A rollout longer than the micro-batch keeps its first `micro_batch_tokens` tokens.
+    A rollout longer than the micro-batch keeps its first `micro_batch_tokens` tokens. Each rank
+    gets at least one micro-batch while there are rows to deal.
     """
     rows, values, truncated, cut_off = [], [], 0, 0
     for r, a in zip(rollouts, advantages):
@@ -76,9 +81,12 @@ def rl_shards(
     shards: list[list[dict[str, Any]]] = [[] for _ in range(world)]
     if not rows:
         return RlShards(shards, 0, truncated, cut_off)
-    packed = pack_rows(rows, values, micro_batch_tokens, pad_id)
-    for i in range(packed["input_ids"].shape[0]):
-        shards[i % world].append({k: v[i : i + 1] for k, v in packed.items() if k != "sample_index"})
+    packed = pack_rows(rows, values, max(r.ids.size for r in rows), pad_id)
+    count, width = packed["input_ids"].shape
+    batches = max(math.ceil(count / max(1, micro_batch_tokens // width)), min(count, world))
+    per = math.ceil(count / batches)
+    for i, start in enumerate(range(0, count, per)):
+        shards[i % world].append({k: v[start : start + per] for k, v in packed.items() if k != "sample_index"})
     return RlShards(shards, int(sum(int(r.mask.sum()) for r in rows)), truncated, cut_off)
 
 

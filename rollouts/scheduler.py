@@ -260,8 +260,8 @@ class EpisodeScheduler:
                     self.engine.load_weights(weights, version)
                     loaded.set()
                     self.stats.weight_updates += 1
-                for turn in admitted:
-                    self._start(turn, batch)
+                if admitted:
+                    self._start(admitted, batch)
                 if len(batch):
                     self.stats.sampled_tokens += len(batch)
                     for seq in batch.step():
@@ -295,19 +295,21 @@ class EpisodeScheduler:
             admitted.append(turn)
         return admitted
 
-    def _start(self, turn: _Turn, batch: Any) -> None:
+    def _start(self, turns: list[_Turn], batch: Any) -> None:
+        """Begin the admitted turns together (the engine prefills new episodes in one batch)."""
         s = self.sampling
-        seq = turn.seq
-        self.stats.prefilled_tokens += len(seq.ids) - seq.cached
-        going = self.engine.begin_turn(
-            seq, temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens,
+        seqs = [turn.seq for turn in turns]
+        self.stats.prefilled_tokens += sum(len(seq.ids) - seq.cached for seq in seqs)
+        going = self.engine.begin_turns(
+            seqs, temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens,
             stop_token_ids=self.format.stop_ids,
         )  # fmt: skip
-        self.stats.sampled_tokens += 1
-        if going:
-            batch.add(seq)
-        else:
-            self._end(self._running.pop(id(seq)))
+        self.stats.sampled_tokens += len(seqs)
+        for seq, on in zip(seqs, going):
+            if on:
+                batch.add(seq)
+            else:
+                self._end(self._running.pop(id(seq)))
 
     def _end(self, turn: _Turn) -> None:
         self._idle[id(turn.seq)] = turn.seq

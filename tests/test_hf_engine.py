@@ -171,3 +171,22 @@ def test_arguments_both_backends_would_read_differently_are_refused(model):
         engine.generate(PROMPTS, temperature=1.0, top_p=0.0, max_new_tokens=4)
     with pytest.raises(ValueError, match="temperature"):
         engine.generate(PROMPTS, temperature=-1.0, top_p=1.0, max_new_tokens=4)
+
+
+def test_new_episodes_prefill_in_batches_within_the_token_budget(model, monkeypatch):
+    """New sequences prefill together, left-padded, in forwards of at most PREFILL_TOKENS padded
+    tokens; how they are grouped changes no sample and no logprob."""
+    import meshrl.inference.hf_engine as hf_engine
+
+    forwards = []
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, **k: forwards.append(k["input_ids"].shape) or forward(*a, **k))
+    together = engine_for(model).generate(PROMPTS, temperature=1.0, top_p=0.9, max_new_tokens=8, seed=5)
+    assert forwards[0] == (4, 7)  # every prompt in the first forward
+    forwards.clear()
+    monkeypatch.setattr(hf_engine, "PREFILL_TOKENS", 8)
+    grouped = engine_for(model).generate(PROMPTS, temperature=1.0, top_p=0.9, max_new_tokens=8, seed=5)
+    assert forwards[:3] == [(1, 7), (2, 4), (1, 1)]  # longest first, at most 8 padded tokens each
+    for a, b in zip(together, grouped, strict=True):
+        assert a.completion_ids == b.completion_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-6)

@@ -61,6 +61,23 @@ def test_sequence_logprobs_match_the_models_own_logits(tiny_lm):
     torch.testing.assert_close(got[:, 1:], expected, rtol=1e-5, atol=1e-5)
 
 
+def test_scoring_only_the_loss_positions_gives_their_logprobs_and_gradients(tiny_lm):
+    """`positions` skips the head for the other tokens: the scored ones are unchanged, in value and in
+    the gradient a masked loss sends to every parameter; the rest are 0."""
+    torch.manual_seed(3)
+    ids = torch.randint(0, 97, (3, 12))
+    positions = torch.rand(3, 12) < 0.4
+    positions[:, 0] = True  # position 0 has no prefix: 0 either way
+    weights = torch.randn(3, 12)
+    full = sequence_token_logprobs(tiny_lm, ids, chunk_size=5)
+    expected = torch.autograd.grad((full * weights * positions).sum(), list(tiny_lm.parameters()))
+    some = sequence_token_logprobs(tiny_lm, ids, chunk_size=5, positions=positions)
+    got = torch.autograd.grad((some * weights * positions).sum(), list(tiny_lm.parameters()))
+    torch.testing.assert_close(some, torch.where(positions, full, 0.0))
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+
+
 def test_label_count_mismatch_is_refused():
     with pytest.raises(ValueError, match="rows"):
         chunked_token_logprobs(torch.randn(4, 2), torch.randn(5, 2), torch.zeros(3, dtype=torch.long))

@@ -35,3 +35,20 @@ def test_truncated_completions_are_left_out_only_when_asked():
     assert rl_shards(rollouts, advantages, micro_batch_tokens=64, pad_id=0, world=1).tokens == 4
     masked = rl_shards(rollouts, advantages, micro_batch_tokens=64, pad_id=0, world=1, mask_truncated=True)
     assert (masked.tokens, masked.cut_off) == (2, 1)
+
+
+def test_rl_micro_batches_stack_rows_as_wide_as_the_longest_rollout():
+    """Rows are packed to the longest rollout's width (attention over a row is dense) and stacked
+    into micro-batches within the token budget; every sampled token is dealt exactly once."""
+    lengths = [10, 6, 4, 3, 3]
+    rollouts = [
+        Rollout(Prompt(f"p{i}", []), [], list(range(1, n + 1)), [False] + [True] * (n - 1), [0.0] * n, [0], reward=i)
+        for i, n in enumerate(lengths)
+    ]
+    rl = rl_shards(rollouts, [1.0] * 5, micro_batch_tokens=24, pad_id=0, world=2)
+    widths = [b["input_ids"].shape for shard in rl.shards for b in shard]
+    assert widths == [(2, 10), (1, 10)]  # rows [10], [6 4], [3 3]: two fit in 24 tokens
+    assert rl.tokens == sum(n - 1 for n in lengths) == sum(int(b["loss_mask"].sum()) for s in rl.shards for b in s)
+    # More ranks than micro-batches by the budget: every rank with a row to take gets one.
+    spread = rl_shards(rollouts, [1.0] * 5, micro_batch_tokens=24, pad_id=0, world=4)
+    assert [len(shard) for shard in spread.shards] == [1, 1, 1, 0]

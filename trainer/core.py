@@ -353,8 +353,8 @@ class TrainerCore:
 
         def nll(model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor]:
             kwargs = {k: batch[k] for k in ("attention_mask", "position_ids") if k in batch}
-            logprobs = sequence_token_logprobs(model, batch["input_ids"], chunk_size, **kwargs)
             mask = batch["loss_mask"].float()
+            logprobs = sequence_token_logprobs(model, batch["input_ids"], chunk_size, 1.0, mask, **kwargs)
             return (-(logprobs * mask).sum() / mask.sum().clamp_min(1),)
 
         with self._autocast():
