@@ -5,8 +5,10 @@ first-fit-decreasing into rows as wide as the step's longest rollout, stacked in
 micro-batches of at most micro_batch_tokens tokens and dealt round-robin to the ranks.
 Rows no wider than needed matter: attention over a packed row is dense (every token scores
 every other one in the row, then masks), so a 1024-wide row of 18 short rollouts trained
-1.6x slower than the same rollouts as an 18-row batch (SmolLM2 on CPU). SDPO rows (error sites of the rollouts, hint from the task) and replay-DPO rows
-go through the TraceCollator into one auxiliary batch per rank.
+1.6x slower than the same rollouts as an 18-row batch (SmolLM2 on CPU).
+
+SDPO rows (error sites of the rollouts, hint from the task) and replay-DPO rows go through
+the TraceCollator into one auxiliary batch per rank.
 """
 
 from __future__ import annotations
