@@ -79,8 +79,9 @@ def metrics_page() -> str:
     lines = [
         "# Metrics",
         "",
-        "Every key a run writes to `metrics.jsonl` (one record per step; the same keys go to TensorBoard and",
-        "W&B). `<name>` stands for a family of keys. Some keys appear only with the feature that logs them.",
+        "Every key a run writes to `metrics.jsonl` (one strict JSON record per step, null where a value is NaN",
+        "or infinite; the same keys go to TensorBoard and W&B, which skip those). `<name>` stands for a family",
+        "of keys. Some keys appear only with the feature that logs them.",
     ]
     for group, entries in METRICS.items():
         lines += ["", f"## {group}", "", "| key | meaning |", "|---|---|"]

@@ -18,7 +18,7 @@ METRICS: dict[str, dict[str, str]] = {
         "rollouts/cut_off": "Fresh rollouts whose last turn hit generator.max_new_tokens.",
         "rollouts/cut_off_masked": "Cut-off rollouts left out of the RL loss (trainer.mask_truncated_completions).",
         "rollouts/external": "Fresh rollouts from outside rollout workers (ingress on).",
-        "reward/external": "Mean reward of the outside workers' rollouts (NaN on a step without any; ingress on).",
+        "reward/external": "Mean reward of the outside workers' rollouts (null in metrics.jsonl on a step without any; ingress on).",
         "truncated": "RL rollouts longer than trainer.micro_batch_tokens, cut to that many tokens.",
         "tool_errors": "Tool calls that returned an error, summed over the step's rollouts.",
         "dropped_stale": "Rollouts dropped so far as older than generator.max_off_policy_steps versions (cumulative).",
@@ -42,9 +42,9 @@ METRICS: dict[str, dict[str, str]] = {
         "time/weight_sync": "Seconds the controller spent publishing the new weights (not the generators' load).",
     },
     "Optimizer": {
-        "grad_norm": "Gradient L2 norm before clipping (non-finite on a skipped step).",
+        "grad_norm": "Gradient L2 norm before clipping (null in metrics.jsonl on a step skipped for a NaN/Inf gradient).",
         "skipped_steps": "Optimizer steps skipped so far for a NaN/Inf gradient (cumulative).",
-        "lr": "Learning rate after this step's scheduler step (the next step's).",
+        "lr": "Learning rate this step used (a warm-start step's own).",
     },
     "Losses": {
         "loss/total": "loss/rl + replay weight · loss/replay + SDPO weight · loss/sdpo.",

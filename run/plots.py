@@ -33,7 +33,7 @@ def plot(run: str | Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for key in keys:
             if any(key in r for r in records):
-                ax.plot(steps, [r.get(key, float("nan")) for r in records], label=key)
+                ax.plot(steps, [float("nan") if r.get(key) is None else r[key] for r in records], label=key)
         ax.set_xlabel("step")
         ax.set_title(name)
         ax.legend(fontsize=8)

@@ -1,7 +1,8 @@
 """What a run leaves in its output directory, written so that a kill never corrupts it.
 
 DIR/config.toml        resolved config
-DIR/metrics.jsonl      one JSON object per step (a resumed run rewrites it up to its step)
+DIR/metrics.jsonl      one strict JSON object per step, null where a value is NaN or infinite
+                       (a resumed run rewrites it up to its step)
 DIR/checkpoints/step_N/  complete when it holds COMPLETE (every file and folder fsynced first,
                        the marker last, then the folder renamed in); model/ is an HF model
                        directory (float32 master weights, tokenizer, chat template, generation config)
@@ -18,6 +19,7 @@ hosts DIR must be one shared filesystem; `check_shared` refuses a DIR the traine
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import shutil
@@ -111,7 +113,7 @@ class RunDir:
         """On resume: exactly the records of the steps the checkpoint covers survive."""
         for path in (self.metrics_path, self.timeline_path):
             kept = [r for r in _read_jsonl(path) if r["step"] < step]
-            write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
+            write_atomic(path, "".join(map(_json_line, kept)))
 
     def append_metrics(self, record: dict[str, Any]) -> None:
         _append_jsonl(self.metrics_path, record)
@@ -199,8 +201,15 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return records
 
 
+def _json_line(record: dict[str, Any]) -> str:
+    """One record as a strict JSON line: a NaN or infinite value (a skipped step's grad norm, a mean
+    over nothing) becomes null, which jq, pandas and JavaScript read; Python's NaN token they refuse."""
+    clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+    return json.dumps(clean, allow_nan=False) + "\n"
+
+
 def _append_jsonl(path: Path, record: dict[str, Any]) -> None:
     with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+        f.write(_json_line(record))
         f.flush()
         os.fsync(f.fileno())

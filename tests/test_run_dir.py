@@ -1,8 +1,9 @@
 """The run directory: checkpoints durable before they count as complete, and a run directory
-the trainer cannot see refused."""
+the trainer cannot see refused, metrics as strict JSON."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -52,3 +53,15 @@ def test_overwrite_clears_an_earlier_run_but_keeps_the_teacher_cache(tmp_path):
     assert run.earlier_run() == ["checkpoints: step_2", "metrics.jsonl: 1 steps"]
     run.clear()
     assert run.earlier_run() == [] and (run.root / "teacher_cache.jsonl").exists()
+
+
+def test_metrics_lines_are_strict_json(tmp_path):
+    """A NaN or infinite value is written as null (Python's NaN token is not JSON), and a resume's
+    rewrite keeps it so."""
+    run = RunDir(tmp_path / "run")
+    for step, value in enumerate([float("nan"), float("inf"), 0.5]):
+        run.append_metrics({"step": step, "grad_norm": value, "skipped_steps": 1})
+    run.keep_metrics_before(2)
+    refuse = {"parse_constant": lambda token: pytest.fail(f"{token} in metrics.jsonl")}
+    lines = [json.loads(line, **refuse) for line in run.metrics_path.read_text().splitlines()]
+    assert lines == run.read_metrics() == [{"step": s, "grad_norm": None, "skipped_steps": 1} for s in (0, 1)]

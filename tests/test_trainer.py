@@ -81,6 +81,8 @@ def test_two_rank_step_matches_one_rank_and_checkpoints_round_trip(tmp_path, par
         "0.2",
         "--trainer.grad_bucket_mb",
         "0.002",
+        "--trainer.warmup_steps",
+        "4",
     ]  # fmt: skip - DDP all-reduces in many 2 KB buckets
     config = load_config(args)
     model_path = str(ensure_tiny(tmp_path / "tiny", config.model.tiny, seed=0))
@@ -90,7 +92,8 @@ def test_two_rank_step_matches_one_rank_and_checkpoints_round_trip(tmp_path, par
     vocab = single.model.config.vocab_size
     warm = [rl_batch(single.model, 5), rl_batch(single.model, 6)]  # one SFT batch per rank
     warm = [{"input_ids": b["input_ids"], "loss_mask": b["loss_mask"]} for b in warm]
-    single.sft_step({k: torch.cat([b[k] for b in warm]) for k in warm[0]})
+    # the warm start runs at its own rate (trainer.lr, warm_start_lr unset), outside the warm-up schedule
+    assert single.sft_step({k: torch.cat([b[k] for b in warm]) for k in warm[0]})["lr"] == 1e-3
     single.start_rl()  # the DPO reference becomes the warm-started policy
     before = {k: v.clone() for k, v in single.weights().items()}
     # Rank 0 gets two micro-batches, two replay pairs and one SDPO row of 2 recovery tokens; rank 1 one
@@ -101,6 +104,7 @@ def test_two_rank_step_matches_one_rank_and_checkpoints_round_trip(tmp_path, par
            {**dpo_batch(8, vocab, pairs=1), **sdpo_batch(9, vocab, [5, 3])}]  # fmt: skip
     rl_tokens = sum(int(b["loss_mask"].sum()) for shard in shards for b in shard)
     expected = single.train_step([shards[0] + shards[1]], [_cat(aux)], rl_tokens)
+    assert expected["lr"] == pytest.approx(1e-3 / 4)  # the first warm-up step's rate, the one it used
 
     procs = this_host().spawn_procs(per_host={"procs": 2})
     try:

@@ -201,7 +201,11 @@ class TrainerCore:
                 offset += g.numel()
 
     def _apply(self, schedule: bool = True) -> dict[str, float]:
-        """Average grads across ranks, clip, and step — unless any grad is NaN/Inf (then skip, count)."""
+        """Average grads across ranks, clip, and step — unless any grad is NaN/Inf (then skip, count).
+
+        Logs the learning rate this step used (the warm start's in `sft_step`), read before the
+        scheduler moves on to the next step's."""
+        lr = self.optimizer.param_groups[0]["lr"]
         self._all_reduce_grads()
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.trainer.max_grad_norm)
         if isinstance(norm, DTensor):
@@ -217,7 +221,7 @@ class TrainerCore:
         return {
             "grad_norm": float(norm),
             "skipped_steps": float(self.skipped_steps),
-            "lr": self.scheduler.get_last_lr()[0],
+            "lr": lr,
         }
 
     def _with_reference(self, batch: dict[str, Any]) -> dict[str, Any]:
