@@ -89,9 +89,12 @@ def run_meshrl(args: argparse.Namespace, out: Path, refill: int) -> Curve:
                  [r["time/step"] for r in records])  # fmt: skip
 
 
-def run_trl(args: argparse.Namespace, model_dir: Path, out: Path) -> Curve:
+def trl_trainer(
+    args: argparse.Namespace, model_dir: Path, out: Path, cls: Any = None, callbacks: list | None = None
+) -> Any:
+    """TRL's GRPOTrainer (or subclass `cls`) on meshrl's letters prompts and reward, meshrl's settings."""
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     task = make_task(task_config(args.system_prompt))
@@ -100,6 +103,24 @@ def run_trl(args: argparse.Namespace, model_dir: Path, out: Path) -> Curve:
 
     def reward(completions: list[list[dict[str, Any]]], key: list[int], **_: Any) -> list[float]:
         return [task.reward(prompts[k], [*prompts[k].messages, *c]) for c, k in zip(completions, key, strict=True)]
+
+    config = GRPOConfig(
+        output_dir=str(out), max_steps=args.steps, per_device_train_batch_size=args.prompts * args.samples,
+        num_generations=args.samples, steps_per_generation=1, gradient_accumulation_steps=1,
+        max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0, beta=0.0,
+        scale_rewards="none", learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
+        weight_decay=0.0, max_grad_norm=1.0, use_cpu=True, bf16=False, logging_steps=1, save_strategy="no",
+        report_to="none", seed=args.seed, shuffle_dataset=False, disable_tqdm=True,
+    )  # fmt: skip
+    return (cls or GRPOTrainer)(
+        model=AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32"),
+        processing_class=AutoTokenizer.from_pretrained(model_dir),
+        reward_funcs=reward, args=config, train_dataset=dataset, callbacks=callbacks or [],
+    )  # fmt: skip
+
+
+def run_trl(args: argparse.Namespace, model_dir: Path, out: Path) -> Curve:
+    from transformers import TrainerCallback
 
     class StepTimes(TrainerCallback):
         def __init__(self) -> None:
@@ -111,23 +132,74 @@ def run_trl(args: argparse.Namespace, model_dir: Path, out: Path) -> Curve:
         def on_step_end(self, *_: Any, **__: Any) -> None:
             self.seconds.append(time.perf_counter() - self.start)
 
-    config = GRPOConfig(
-        output_dir=str(out), max_steps=args.steps, per_device_train_batch_size=args.prompts * args.samples,
-        num_generations=args.samples, steps_per_generation=1, gradient_accumulation_steps=1,
-        max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0, beta=0.0,
-        scale_rewards="none", learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
-        weight_decay=0.0, max_grad_norm=1.0, use_cpu=True, bf16=False, logging_steps=1, save_strategy="no",
-        report_to="none", seed=args.seed, shuffle_dataset=False, disable_tqdm=True,
-    )  # fmt: skip
     times = StepTimes()
-    trainer = GRPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32"),
-        processing_class=AutoTokenizer.from_pretrained(model_dir),
-        reward_funcs=reward, args=config, train_dataset=dataset, callbacks=[times],
-    )  # fmt: skip
+    trainer = trl_trainer(args, model_dir, out, callbacks=[times])
     trainer.train()
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     return Curve("TRL GRPOTrainer", rewards, [args.prompts * args.samples] * len(rewards), times.seconds)
+
+
+def lockstep(args: argparse.Namespace, model_dir: Path, out: Path) -> None:
+    """TRL samples and steps; meshrl's trainer steps on each of TRL's batches (its token ids, masks
+    and advantages) from the same weights. Prints, per step, how far meshrl's cumulative weight
+    change is from TRL's (relative L2) and the largest element difference: if the two updates
+    agree, what separates the benchmark's curves is the sampling alone."""
+    import torch
+    from transformers import TrainerCallback
+    from trl import GRPOTrainer
+
+    from meshrl.configs.loader import load_config
+    from meshrl.loss_adapters.logprobs import sequence_token_logprobs
+    from meshrl.rollouts.batches import rl_shards
+    from meshrl.rollouts.episodes import Rollout
+    from meshrl.tasks.base import Prompt
+    from meshrl.trainer.core import TrainerCore
+
+    config = load_config(["@", str(REPO / "configs" / "local.toml"), "@", str(REPO / "configs" / "smollm2.toml"),
+                          "--seed", str(args.seed), "--trainer.lr", str(args.lr)])  # fmt: skip
+    core = TrainerCore(config, str(model_dir))
+    start = {name: p.detach().clone() for name, p in core.model.named_parameters()}
+
+    class Recording(GRPOTrainer):
+        def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
+            self.batch = super()._generate_and_score_completions(inputs)
+            return self.batch
+
+    class Follow(TrainerCallback):
+        def on_step_end(self, *_: Any, model: Any = None, **__: Any) -> None:
+            b = trainer.batch
+            rollouts = []
+            for i in range(len(b["advantages"])):
+                prompt = b["prompt_ids"][i][b["prompt_mask"][i].bool()].tolist()
+                completion = b["completion_ids"][i][b["completion_mask"][i].bool()].tolist()
+                n = len(prompt) + len(completion)
+                rollouts.append(Rollout(Prompt(str(i), []), [], prompt + completion,
+                                        [False] * len(prompt) + [True] * len(completion), [0.0] * n, []))  # fmt: skip
+            shards = rl_shards(rollouts, b["advantages"].tolist(), config.trainer.micro_batch_tokens,
+                               0, 1)  # fmt: skip
+            with torch.no_grad():  # on-policy: the sampler's logprobs are the policy's own
+                for mb in shards.shards[0]:
+                    mb["inference_logprobs"] = sequence_token_logprobs(
+                        core.model, mb["input_ids"], positions=mb["loss_mask"], position_ids=mb["position_ids"]
+                    )
+            metrics = core.train_step(shards.shards, [None], shards.tokens)
+            theirs = {k: p.detach() for k, p in model.named_parameters()}
+            mine = {k: p.detach() for k, p in core.model.named_parameters()}
+            gap = sum(float((p - theirs[k]).pow(2).sum()) for k, p in mine.items())
+            moved = sum(float((theirs[k] - start[k]).pow(2).sum()) for k in mine)
+            worst = max(float((p - theirs[k]).abs().max()) for k, p in mine.items())
+            zero = int((b["advantages"] == 0).sum())
+            print(f"step {len(gaps) + 1}: meshrl grad_norm {metrics['grad_norm']:.6f}, |meshrl - TRL| / |TRL's change| "
+                  f"{(gap / moved) ** 0.5:.2e}, max |diff| {worst:.2e}, zero-advantage samples {zero}", flush=True)  # fmt: skip
+            gaps.append((gap / moved) ** 0.5)
+
+    gaps: list[float] = []
+    trainer = trl_trainer(args, model_dir, out, cls=Recording, callbacks=[Follow()])
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "reward" in h]
+    for key in ("grad_norm", "reward"):
+        print(f"TRL's {key} per step: {' '.join(f'{h[key]:.6f}' for h in logged)}")
+    print(f"lock-step over {len(gaps)} steps: relative weight gap max {max(gaps):.2e}")
 
 
 def main() -> None:
@@ -145,12 +217,18 @@ def main() -> None:
     parser.add_argument(
         "--system-prompt", default=None, help='a system turn for every prompt, e.g. "Answer with one word."'
     )
+    parser.add_argument("--lockstep", action="store_true",
+                        help="instead: meshrl's trainer steps on TRL's own batches; prints the weight gap per step")  # fmt: skip
     parser.add_argument("--out", default="runs/peer_trl")
     parser.add_argument("--plot", default=str(REPO / "docs" / "peer_trl.png"))
     args = parser.parse_args()
     root = Path(args.out).resolve()
     root.mkdir(parents=True, exist_ok=True)
     model_dir = ensure_gguf(GGUF, root / "smollm2")
+    if args.lockstep:
+        args.seed = args.seeds[0]
+        lockstep(args, model_dir, root / "lockstep")
+        return
 
     runs: dict[int, list[Curve]] = {}
     for seed in args.seeds:
