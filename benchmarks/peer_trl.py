@@ -79,6 +79,7 @@ def run_meshrl(args: argparse.Namespace, out: Path, refill: int) -> Curve:
            "--generator.max_new_tokens", str(args.max_new_tokens), "--trainer.lr", str(args.lr),
            "--generator.refill_uninformative", str(refill), "--metrics.progress", "plain",
            "--generator.max_async_level", str(args.async_level),
+           "--trainer.zero_advantage_tokens", args.zero_advantage_tokens,
            "--task.kwargs", json.dumps(task_config(args.system_prompt).kwargs)]  # fmt: skip
     with (out.parent / f"{out.name}.log").open("w") as log:
         done = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=log, env={**os.environ, "RUST_LOG": "warn"})
@@ -156,7 +157,8 @@ def lockstep(args: argparse.Namespace, model_dir: Path, out: Path) -> None:
     from meshrl.trainer.core import TrainerCore
 
     config = load_config(["@", str(REPO / "configs" / "local.toml"), "@", str(REPO / "configs" / "smollm2.toml"),
-                          "--seed", str(args.seed), "--trainer.lr", str(args.lr)])  # fmt: skip
+                          "--seed", str(args.seed), "--trainer.lr", str(args.lr),
+                          "--trainer.zero_advantage_tokens", args.zero_advantage_tokens])  # fmt: skip
     core = TrainerCore(config, str(model_dir))
     start = {name: p.detach().clone() for name, p in core.model.named_parameters()}
 
@@ -175,14 +177,14 @@ def lockstep(args: argparse.Namespace, model_dir: Path, out: Path) -> None:
                 n = len(prompt) + len(completion)
                 rollouts.append(Rollout(Prompt(str(i), []), [], prompt + completion,
                                         [False] * len(prompt) + [True] * len(completion), [0.0] * n, []))  # fmt: skip
-            shards = rl_shards(rollouts, b["advantages"].tolist(), config.trainer.micro_batch_tokens,
-                               0, 1)  # fmt: skip
+            shards = rl_shards(rollouts, b["advantages"].tolist(), config.trainer.micro_batch_tokens, 0, 1,
+                               count_zero_advantage=config.trainer.zero_advantage_tokens == "count")  # fmt: skip
             with torch.no_grad():  # on-policy: the sampler's logprobs are the policy's own
                 for mb in shards.shards[0]:
                     mb["inference_logprobs"] = sequence_token_logprobs(
                         core.model, mb["input_ids"], positions=mb["loss_mask"], position_ids=mb["position_ids"]
                     )
-            metrics = core.train_step(shards.shards, [None], shards.tokens)
+            metrics = core.train_step(shards.shards, [None], shards.normaliser)
             theirs = {k: p.detach() for k, p in model.named_parameters()}
             mine = {k: p.detach() for k, p in core.model.named_parameters()}
             gap = sum(float((p - theirs[k]).pow(2).sum()) for k, p in mine.items())
@@ -217,6 +219,8 @@ def main() -> None:
     parser.add_argument(
         "--system-prompt", default=None, help='a system turn for every prompt, e.g. "Answer with one word."'
     )
+    parser.add_argument("--zero-advantage-tokens", choices=["drop", "count"], default="drop",
+                        help="meshrl's trainer.zero_advantage_tokens ('count' is TRL's normaliser)")  # fmt: skip
     parser.add_argument("--lockstep", action="store_true",
                         help="instead: meshrl's trainer steps on TRL's own batches; prints the weight gap per step")  # fmt: skip
     parser.add_argument("--out", default="runs/peer_trl")

@@ -342,6 +342,12 @@ class TrainerConfig(Section):
         description="Leave rollouts whose last turn hit generator.max_new_tokens out of the RL loss (TRL's "
         "name; DAPO's overlong filtering); their rewards still shape their group's advantages.",
     )
+    zero_advantage_tokens: Literal["drop", "count"] = Field(
+        "drop",
+        description="Rollouts with advantage 0 never train. 'drop': their tokens are not in the loss normaliser "
+        "either (PRIME-RL); 'count': they are (TRL's loss_type 'dapo', verl's token-mean), so a step with "
+        "tied groups moves the policy less.",
+    )
     grad_bucket_mb: float = Field(
         32.0, gt=0, description="DDP: most gradient MB copied into one all-reduce (bounds the extra memory)."
     )

@@ -29,14 +29,21 @@ from meshrl.traces.schema import TraceExample, Turn
 
 @dataclass
 class RlShards:
-    """A step's RL micro-batches: a list per trainer rank, the loss-mask tokens over all ranks
-    (the loss normaliser), how many rollouts were cut to the micro-batch, and how many cut off by
-    the generator's token limit were left out (`mask_truncated`)."""
+    """A step's RL micro-batches: a list per trainer rank, their loss-mask tokens over all ranks,
+    how many rollouts were cut to the micro-batch, how many cut off by the generator's token limit
+    were left out (`mask_truncated`), and the loss-mask tokens of the zero-advantage rollouts left
+    out that still count in the loss normaliser (`count_zero_advantage`)."""
 
     shards: list[list[dict[str, Any]]]
     tokens: int
     truncated: int
     cut_off: int = 0
+    idle_tokens: int = 0
+
+    @property
+    def normaliser(self) -> int:
+        """What the step's summed RL loss is divided by (over all ranks)."""
+        return self.tokens + self.idle_tokens
 
 
 @dataclass
@@ -56,20 +63,25 @@ def rl_shards(
     world: int,
     keep_zero_advantage: bool = False,
     mask_truncated: bool = False,
+    count_zero_advantage: bool = False,
 ) -> RlShards:
     """Per-rank lists of packed micro-batches, the step's loss-mask token count, and truncations.
 
     Zero-advantage rollouts carry no policy gradient and are left out (PRIME-RL does the same),
     unless `keep_zero_advantage`: a loss whose signal is not the advantage (ref_kl) trains on them.
+    With `count_zero_advantage` their tokens, untrained, still count in the normaliser (TRL's `dapo`,
+    verl's token-mean): a step whose groups all but tied then moves the policy less.
     With `mask_truncated`, rollouts whose last turn the generator cut off at its token limit are
     left out too (TRL's `mask_truncated_completions`, DAPO's overlong filtering): their advantage
     was computed, and shaped their group's, but an unfinished answer is not trained on.
     A rollout longer than the micro-batch keeps its first `micro_batch_tokens` tokens. Each rank
     gets at least one micro-batch while there are rows to deal.
     """
-    rows, values, truncated, cut_off = [], [], 0, 0
+    rows, values, truncated, cut_off, idle = [], [], 0, 0, 0
     for r, a in zip(rollouts, advantages):
         if a == 0 and not keep_zero_advantage:
+            if count_zero_advantage and not (mask_truncated and r.finish_reason == "length"):
+                idle += int(np.count_nonzero(r.loss_mask[:micro_batch_tokens]))
             continue
         if mask_truncated and r.finish_reason == "length":
             cut_off += 1
@@ -82,14 +94,14 @@ def rl_shards(
         values.append(a)
     shards: list[list[dict[str, Any]]] = [[] for _ in range(world)]
     if not rows:
-        return RlShards(shards, 0, truncated, cut_off)
+        return RlShards(shards, 0, truncated, cut_off, idle)
     packed = pack_rows(rows, values, max(r.ids.size for r in rows), pad_id)
     count, width = packed["input_ids"].shape
     batches = max(math.ceil(count / max(1, micro_batch_tokens // width)), min(count, world))
     per = math.ceil(count / batches)
     for i, start in enumerate(range(0, count, per)):
         shards[i % world].append({k: v[start : start + per] for k, v in packed.items() if k != "sample_index"})
-    return RlShards(shards, int(sum(int(r.mask.sum()) for r in rows)), truncated, cut_off)
+    return RlShards(shards, int(sum(int(r.mask.sum()) for r in rows)), truncated, cut_off, idle)
 
 
 def rollout_trace(rollout: Rollout, classifier: ErrorClassifier) -> TraceExample:

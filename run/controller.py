@@ -705,13 +705,14 @@ class Controller:
             advantages = group_advantages(fresh)
             rl = rl_shards(fresh, advantages, cfg.trainer.micro_batch_tokens, self.tokenizer.pad_token_id, world,
                            keep_zero_advantage=isinstance(cfg.loss, RefKlLoss),
-                           mask_truncated=cfg.trainer.mask_truncated_completions)  # fmt: skip
+                           mask_truncated=cfg.trainer.mask_truncated_completions,
+                           count_zero_advantage=cfg.trainer.zero_advantage_tokens == "count")  # fmt: skip
             pairs = self.pairs if cfg.loss.replay.weight > 0 else []  # a channel at weight 0 gets no rows
             aux = aux_shards(fresh, pairs, self.collator, world, cfg.loss.sdpo.max_traces_per_step)
             replay_pairs = len(self.pairs)
             self.pairs = []
             train_start, train_wall = time.perf_counter(), time.time()
-            metrics = self.trainers.train_step.call(rl.shards, aux.shards, rl.tokens).get().item(rank=0)
+            metrics = self.trainers.train_step.call(rl.shards, aux.shards, rl.normaliser).get().item(rank=0)
             train_seconds = time.perf_counter() - train_start
             self.timeline.append(_span("trainer", train_wall, time.time(), self.step))
             self.step += 1

@@ -25,6 +25,10 @@ def test_a_group_with_equal_rewards_has_exactly_zero_advantage_and_no_rows():
     # ref_kl's signal is the reference's logprobs, not the advantage: every rollout trains.
     kept = rl_shards(rollouts, advantages, micro_batch_tokens=64, pad_id=0, world=1, keep_zero_advantage=True)
     assert kept.tokens == 10
+    # TRL's normaliser: the tied group's 6 tokens count, untrained.
+    counted = rl_shards(rollouts, advantages, micro_batch_tokens=64, pad_id=0, world=1, count_zero_advantage=True)
+    assert (counted.tokens, counted.normaliser, len(counted.shards[0])) == (4, 10, len(shard))
+    assert rl.normaliser == 4
 
 
 def test_truncated_completions_are_left_out_only_when_asked():

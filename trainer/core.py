@@ -276,9 +276,10 @@ class TrainerCore:
         """One optimizer step over rank `rank`'s RL micro-batches and its replay/SDPO batch.
 
         Every rank gets the whole step's shards (one list of micro-batches, one auxiliary
-        batch or None per rank). `rl_tokens` is the loss-mask token count of the step over
-        all ranks: each RL micro-batch is normalised by rl_tokens / world so the cross-rank
-        mean of gradients is Σ sample losses / rl_tokens, PRIME-RL's normalisation.
+        batch or None per rank). `rl_tokens` is the step's loss normaliser over all ranks (its
+        loss-mask token count; `trainer.zero_advantage_tokens = "count"` adds the tied rollouts'):
+        each RL micro-batch is normalised by rl_tokens / world so the cross-rank mean of gradients
+        is Σ sample losses / rl_tokens, PRIME-RL's normalisation.
         """
         if self.config.trainer.diloco.replica_id is not None and self.islands is None:
             self._join_islands()
