@@ -600,12 +600,15 @@ class Controller:
     def _eval_round(self) -> dict[str, float]:
         """Every `eval.interval` steps the new policy's weights go to the background evaluation
         (unless one is still running: skipped); a finished one's metrics go into this step's
-        record. The last step evaluates the final policy and waits for it."""
+        record. The last step evaluates the final policy and waits for it; the step before waits
+        for a running round and starts none, so no round's result is left for the last step's
+        record, which holds the final policy's."""
         if self.evaluator is None:
             return {}
         last = self.step == self.config.max_steps
-        stats = self.evaluator.done(wait=last)
-        if self.step % self.config.eval.interval == 0 or last:
+        before_last = self.step == self.config.max_steps - 1
+        stats = self.evaluator.done(wait=before_last)
+        if (self.step % self.config.eval.interval == 0 and not before_last) or last:
             self.evaluator.start(self.trainers.policy_weights.call().get().item(rank=0), self.step)
         return self.evaluator.done(wait=True) if last else stats
 

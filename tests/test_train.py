@@ -99,6 +99,10 @@ def test_run_killed_after_a_checkpoint_resumes_evaluates_and_refuses_a_rerun(tmp
     # Evaluation beside training (when a policy's lands depends on timing): the last step evaluates
     # the final policy and waits; `meshrl eval` of the final checkpoint agrees.
     assert metrics[-1]["eval/policy_version"] == STEPS and "eval/pass@2" in metrics[-1]
+    # The resumed run's rounds: every 2 steps and the final policy, none lost to the last step's record
+    # (the step before it waits for a running round).
+    versions = [r["eval/policy_version"] for r in metrics[resumes_at:] if "eval/policy_version" in r]
+    assert versions == [v for v in (4, STEPS) if v > resumes_at], (versions, resumes_at)
     # (`meshrl eval` and the refused rerun below go through the CLI's main in this process: the same
     # command functions, exit codes and messages as in a shell, without another interpreter's start-up.)
     capsys.readouterr()
