@@ -35,18 +35,18 @@ from meshrl.trainer.islands import serve_lighthouse
 
 REPO = Path(__file__).resolve().parents[1]
 MESHRL = [sys.executable, "-m", "meshrl.cli.main", "train", "@", str(REPO / "configs" / "local.toml")]
-EXTRA: list[str] = []  # presets and arguments every run of this invocation takes (set in main)
 
 
 def records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def run(out: Path, seed: int, *extra: str) -> subprocess.Popen:
+def run(out: Path, seed: int, common: list[str], *extra: str) -> subprocess.Popen:
+    """`meshrl train` with the invocation's presets and arguments (`common`), then this run's `extra`."""
     log = (out.parent / f"{out.name}.log").open("w")
     args = [
         *MESHRL,
-        *EXTRA,
+        *common,
         "--output-dir",
         str(out),
         "--overwrite",
@@ -81,14 +81,14 @@ def main() -> None:
     parser.add_argument("--preset", action="append", default=[], help="a config file layered over local.toml")
     parser.add_argument("--prompts", type=int, default=8, help="one island's prompts a step (each of two: half)")
     args, passed = parser.parse_known_args()
-    EXTRA[:] = [*(arg for preset in args.preset for arg in ("@", str(Path(preset).resolve()))),
+    common = [*(arg for preset in args.preset for arg in ("@", str(Path(preset).resolve()))),
                 *(a for a in passed if a != "--")]  # fmt: skip
     root = Path(args.out).resolve()
     root.mkdir(parents=True, exist_ok=True)
 
     start = time.time()
     if not args.reuse_one:
-        one = run(root / "one", args.seed, "--task.prompts_per_step", str(args.prompts))
+        one = run(root / "one", args.seed, common, "--task.prompts_per_step", str(args.prompts))
         assert one.wait() == 0, (root / "one.log").read_text()[-3000:]
     one_s = time.time() - start
 
@@ -97,7 +97,7 @@ def main() -> None:
     )
     start = time.time()
     islands = [
-        run(root / name, args.seed, "--task.prompts_per_step", str(args.prompts // 2), "--trainer.diloco.replica_id", name,
+        run(root / name, args.seed, common, "--task.prompts_per_step", str(args.prompts // 2), "--trainer.diloco.replica_id", name,
             "--trainer.diloco.lighthouse", lighthouse.address(), "--trainer.diloco.host", "localhost",
             "--trainer.diloco.sync_every", str(args.sync_every), "--trainer.diloco.outer_lr", str(args.outer_lr),
             "--trainer.diloco.outer_momentum", str(args.outer_momentum),

@@ -129,10 +129,12 @@ def sequence_token_logprobs(
     """
     hidden = hidden_states(model, input_ids, **forward_kwargs)
     batch, length, width = hidden.shape
-    labels = input_ids[:, 1:]
-    take = torch.ones_like(labels, dtype=torch.bool) if positions is None else positions[:, 1:].bool()
-    scored = chunked_token_logprobs(hidden[:, :-1][take], lm_head_weight(model), labels[take], chunk_size, temperature)
+    head, labels = lm_head_weight(model), input_ids[:, 1:]
     if positions is None:
-        return torch.cat([scored.new_zeros(batch, 1), scored.view(batch, length - 1)], dim=1)
-    where = torch.cat([take.new_zeros(batch, 1), take], dim=1)
-    return scored.new_zeros(batch, length).masked_scatter(where, scored)
+        flat = chunked_token_logprobs(
+            hidden[:, :-1].reshape(-1, width), head, labels.reshape(-1), chunk_size, temperature
+        )
+        return torch.cat([flat.new_zeros(batch, 1), flat.view(batch, length - 1)], dim=1)
+    take = positions[:, 1:].bool()
+    scored = chunked_token_logprobs(hidden[:, :-1][take], head, labels[take], chunk_size, temperature)
+    return scored.new_zeros(batch, length).masked_scatter(torch.cat([take.new_zeros(batch, 1), take], dim=1), scored)

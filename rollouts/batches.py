@@ -79,11 +79,12 @@ def rl_shards(
     """
     rows, values, truncated, cut_off, idle = [], [], 0, 0, 0
     for r, a in zip(rollouts, advantages):
+        cut = mask_truncated and r.finish_reason == "length"
         if a == 0 and not keep_zero_advantage:
-            if count_zero_advantage and not (mask_truncated and r.finish_reason == "length"):
+            if count_zero_advantage and not cut:
                 idle += int(np.count_nonzero(r.loss_mask[:micro_batch_tokens]))
             continue
-        if mask_truncated and r.finish_reason == "length":
+        if cut:
             cut_off += 1
             continue
         ids, mask, lp = (np.asarray(x) for x in (r.token_ids, r.loss_mask, r.logprobs))
