@@ -11,6 +11,7 @@ Calls run at once up to `pool_size`; `close()` kills those still running.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import itertools
 import os
 import random
@@ -20,7 +21,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,8 +37,11 @@ ENV = {
 }
 # As root each call runs as its own uid/gid, UID_BASE + a rotating number below UIDS: its process
 # limit counts only its own processes, and a uid comes back only long after the host's init reaped
-# the zombies a torn-down namespace leaves (on some hosts that takes seconds).
+# the zombies a torn-down namespace leaves (on some hosts that takes seconds). A call holds an flock
+# on its uid's file under LEASES until its processes are gone: two sandboxes of one host (two
+# workers, two test processes) never share a uid, so one call's clean-up never kills another's.
 UID_BASE, UIDS = 200_000, 4096
+LEASES = Path("/run/meshrl-sandbox-uids")
 # The kernel sends SIGXCPU at cpu_time_s and SIGKILL at cpu_time_s + 1 (a program that ignores
 # SIGXCPU); the sandbox's own kills are named before an exit status is read.
 _SIGNALLED = {signal.SIGXCPU: "cpu_time", signal.SIGKILL: "cpu_time", signal.SIGXFSZ: "file_size"}
@@ -150,20 +154,32 @@ class ProcessSandbox(Sandbox):
                 f"--nproc={processes}", f"--nofile={c.open_files}", f"--fsize={c.file_size_mb * mb}",
                 "--"]  # fmt: skip
 
-    def _uid(self) -> int | None:
-        """As root, a uid of the range that no process runs as (another sandbox of this host may
-        be using the ones next to it); else None (the run's own user)."""
+    @contextlib.contextmanager
+    def _uid(self) -> Iterator[int | None]:
+        """As root, a uid of the range that no other call of this host holds and no process runs
+        as, held until the block ends; else None (the run's own user)."""
         if os.geteuid() != 0:
-            return None
+            yield None
+            return
+        LEASES.mkdir(mode=0o700, exist_ok=True)
         for _ in range(UIDS):
             uid = UID_BASE + next(self._uids) % UIDS
-            if not processes_of(uid):
-                return uid
+            lease = os.open(LEASES / str(uid), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(lease, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(lease)
+                continue
+            try:  # the kernel drops the lock when its holder dies; a dead holder's processes may not be gone
+                if not processes_of(uid):
+                    yield uid
+                    return
+            finally:
+                os.close(lease)
         raise SandboxUnavailable(f"every sandbox uid {UID_BASE}..{UID_BASE + UIDS - 1} is in use")
 
     def _run(self, slot: int, code: str) -> Run:
-        uid = self._uid()
-        with ProgramFile(code, uid) as program:
+        with self._uid() as uid, ProgramFile(code, uid) as program:
             argv = self._limits(uid) + self.command(program.path)
             start = time.monotonic()
             process = subprocess.Popen(

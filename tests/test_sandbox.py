@@ -12,6 +12,7 @@ import pytest
 
 from meshrl.configs.schema import SandboxConfig
 from meshrl.sandbox import Run, Sandbox, SandboxUnavailable, make_sandbox
+from meshrl.sandbox import core as sandbox_core
 from meshrl.sandbox.core import processes_of
 
 LIMITS = {"wall_time_s": 3.0, "cpu_time_s": 1, "memory_mb": 256, "processes": 16, "file_size_mb": 1,
@@ -182,6 +183,27 @@ def test_calls_run_at_once_up_to_the_pool_size_and_close_kills_the_rest():
     assert hung and hung[0].exit_code != 0 and not thread.is_alive()
     with pytest.raises(SandboxUnavailable, match="closed"):
         box.run_python("print(1)")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="calls get uids of their own only as root")
+def test_two_sandboxes_of_one_host_never_share_a_uid(monkeypatch):
+    """Two sandboxes whose uid counters start together (two workers of one host, by chance) run
+    calls at once: neither call's clean-up kills the other's program."""
+    monkeypatch.setattr(sandbox_core.random, "randrange", lambda n: 0)
+    boxes = [make_sandbox(SandboxConfig(**{**LIMITS, "pool_size": 1})) for _ in range(2)]
+    runs: list[Run] = []
+
+    def calls(box: Sandbox) -> None:
+        runs.extend(box.run_python("import time\ntime.sleep(0.02)\nprint('ok')") for _ in range(15))
+
+    threads = [threading.Thread(target=calls, args=(box,)) for box in boxes]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for box in boxes:
+        box.close()
+    assert [run for run in runs if not run.ok] == []
 
 
 def test_a_missing_sandbox_is_refused_naming_what_to_install(monkeypatch):
