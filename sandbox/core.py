@@ -161,7 +161,10 @@ class ProcessSandbox(Sandbox):
         if os.geteuid() != 0:
             yield None
             return
-        LEASES.mkdir(mode=0o700, exist_ok=True)
+        try:
+            LEASES.mkdir(mode=0o700, exist_ok=True)
+        except OSError as error:
+            raise SandboxUnavailable(f"as root a call holds its uid through a file under {LEASES}: {error}") from error
         for _ in range(UIDS):
             uid = UID_BASE + next(self._uids) % UIDS
             lease = os.open(LEASES / str(uid), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)

@@ -212,6 +212,11 @@ def test_a_missing_sandbox_is_refused_naming_what_to_install(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(SandboxUnavailable, match="apt-get install bubblewrap"):
         make_sandbox(SandboxConfig())
+    if os.geteuid() == 0:
+        monkeypatch.undo()
+        monkeypatch.setattr(sandbox_core, "LEASES", sandbox_core.Path("/proc/meshrl-sandbox-uids"))
+        with pytest.raises(SandboxUnavailable, match="/proc/meshrl-sandbox-uids"):
+            make_sandbox(SandboxConfig())
 
 
 def test_no_sandbox_only_when_asked_and_loudly(caplog):
