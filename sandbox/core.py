@@ -139,6 +139,13 @@ class ProcessSandbox(Sandbox):
         if not Path(config.python).is_file():
             raise SandboxUnavailable(f"sandbox.python {config.python!r}: no such interpreter")
         self._uids = itertools.count(random.randrange(UIDS))  # processes of one host start apart
+        if os.geteuid() == 0:
+            try:
+                LEASES.mkdir(mode=0o700, exist_ok=True)
+            except OSError as error:
+                raise SandboxUnavailable(
+                    f"as root a call holds its uid through a file under {LEASES}: {error}"
+                ) from error
         super().__init__(config)
 
     def command(self, program: Path) -> list[str]:
@@ -161,10 +168,6 @@ class ProcessSandbox(Sandbox):
         if os.geteuid() != 0:
             yield None
             return
-        try:
-            LEASES.mkdir(mode=0o700, exist_ok=True)
-        except OSError as error:
-            raise SandboxUnavailable(f"as root a call holds its uid through a file under {LEASES}: {error}") from error
         for _ in range(UIDS):
             uid = UID_BASE + next(self._uids) % UIDS
             lease = os.open(LEASES / str(uid), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)

@@ -7,6 +7,7 @@ import logging
 import os
 import socket
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -214,7 +215,7 @@ def test_a_missing_sandbox_is_refused_naming_what_to_install(monkeypatch):
         make_sandbox(SandboxConfig())
     if os.geteuid() == 0:
         monkeypatch.undo()
-        monkeypatch.setattr(sandbox_core, "LEASES", sandbox_core.Path("/proc/meshrl-sandbox-uids"))
+        monkeypatch.setattr(sandbox_core, "LEASES", Path("/proc/meshrl-sandbox-uids"))
         with pytest.raises(SandboxUnavailable, match="/proc/meshrl-sandbox-uids"):
             make_sandbox(SandboxConfig())
 
