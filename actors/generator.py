@@ -20,7 +20,7 @@ from meshrl.configs.schema import RunConfig
 from meshrl.inference.backends import make_engine
 from meshrl.inference.weights import WeightLayout, unflatten_weights
 from meshrl.rollouts.chat import ChatSettings
-from meshrl.rollouts.episodes import EpisodeFormat
+from meshrl.rollouts.episodes import EpisodeFormat, EpisodeLimits
 from meshrl.rollouts.scheduler import EpisodeScheduler, FinishedGroup, GroupRequest, Sampling
 from meshrl.tasks.base import make_task
 from meshrl.topology.devices import cpu_threads, proc_device, role_gpus
@@ -36,7 +36,9 @@ class GeneratorActor(Actor):
             torch.set_num_threads(cpu_threads())
         engine = make_engine(g.backend, model_path, config.model.dtype, gpus)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        episodes = EpisodeFormat(tokenizer, make_task(config.task), ChatSettings.of(config.model))
+        episodes = EpisodeFormat(
+            tokenizer, make_task(config.task), ChatSettings.of(config.model), EpisodeLimits.of(config)
+        )
         self.scheduler = EpisodeScheduler(
             engine, episodes, Sampling(g.temperature, g.top_p, g.max_new_tokens),
             max_episodes=g.max_concurrent_episodes, max_tokens=g.max_concurrent_tokens,
@@ -45,6 +47,13 @@ class GeneratorActor(Actor):
     @endpoint
     async def info(self) -> dict[str, Any]:
         return {"role": "generator", "rank": self.rank, **process_info()}
+
+    @endpoint
+    async def close(self) -> None:
+        """Stop the scheduler and let the engine go: a failed generator is replaced, and its
+        process must not hold a second copy of the model meanwhile."""
+        self.scheduler.close()
+        del self.scheduler
 
     @endpoint
     async def submit(self, requests: list[GroupRequest]) -> None:

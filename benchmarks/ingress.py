@@ -52,7 +52,8 @@ def server(root: Path, model: Path, curve: bool, fraction: float) -> IngressServ
     config = IngressConfig(bind="tcp://127.0.0.1:*", server_key=str(keys / "server.key_secret"),
                            authorized_keys=str(keys / "authorized"), verify_fraction=fraction)  # fmt: skip
     spec = Spec(task_import_path=TASK.import_path, task_kwargs=TASK.kwargs, temperature=1.0, top_p=1.0,
-                max_new_tokens=MAX_NEW, dtype="float32", renderer="template", tool_parser="hermes", chat_template_kwargs={}, model_files=model_files(model))  # fmt: skip
+                max_new_tokens=MAX_NEW, dtype="float32", renderer="template", tool_parser="hermes", chat_template_kwargs={}, model_files=model_files(model),
+                max_episode_tokens=65536, max_tool_result_tokens=1024)  # fmt: skip
     holder: list[IngressServer] = []
     scorer = Scorer(str(model), "float32", 1.0, lambda v: holder[0].weights_path(v))
     fmt = EpisodeFormat(AutoTokenizer.from_pretrained(str(model)), make_task(TASK))

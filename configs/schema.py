@@ -214,6 +214,14 @@ class GeneratorConfig(Section):
         1.0, gt=0, le=1.0, description="Nucleus sampling mass; RL needs 1.0 (the trainer scores the full softmax)."
     )
     max_new_tokens: int = Field(64, ge=1, description="Longest completion per turn.")
+    max_tool_result_tokens: int = Field(
+        1024,
+        ge=64,
+        description="Tokens one tool turn's results may add to an episode (split between its calls); a longer "
+        "result keeps its head and tail around a marker the policy sees. An episode ends cut off (finish reason "
+        "'length', stop 'prompt_too_long') once its next turn would not fit the smaller of max_concurrent_tokens "
+        "and trainer.micro_batch_tokens.",
+    )
     samples_per_prompt: int = Field(
         4, ge=2, description="Rollouts per prompt (the advantage group size; one alone always has advantage 0)."
     )

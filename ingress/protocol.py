@@ -41,7 +41,8 @@ class LeaseRequest(Message):
 
 
 class Episode(Message):
-    """One sampled episode as the worker's `Rollout` holds it, plus the reward it claims."""
+    """One sampled episode as the worker's `Rollout` holds it, plus the reward it claims: the task's
+    reward on the prompt as leased (without the hidden answer, which the controller alone holds)."""
 
     token_ids: list[int]
     loss_mask: list[bool]
@@ -82,6 +83,8 @@ class Spec(Message):
     tool_parser: str
     chat_template_kwargs: dict[str, Any]
     model_files: dict[str, str]  # file name -> base64 content
+    max_episode_tokens: int  # an episode's token budget (`rollouts.episodes.EpisodeLimits`)
+    max_tool_result_tokens: int  # a tool turn's
 
 
 class Lease(Message):

@@ -4,11 +4,13 @@ Nothing a worker sends is taken on trust. Each episode is rebuilt turn by turn t
 same `EpisodeFormat` the mesh's generators use: the prompt is rendered here and must be the
 submission's first tokens; each sampled turn is cut where the engine would have stopped; its
 tool calls are run through the task again and the tool turn must tokenize to the submitted
-tokens; the reward is computed here. Then a random fraction of the sampled tokens, chosen after
+tokens; the reward trained on is computed here, with the prompt's hidden answer, and the
+worker's claimed reward must be the one the task gives on the prompt as leased (what an honest
+worker can compute). Then a random fraction of the sampled tokens, chosen after
 the submission arrived, is re-scored with the policy version each claims, and an episode whose
 claimed behaviour logprobs differ from the recomputed ones by more than `tolerance` (mean
 absolute difference, nats) is rejected. What the worker cannot forge without being caught is
-then: which prompt it answered, what the tools said, the reward, and (up to the tolerance,
+then: which prompt it answered, what the tools said, the reward trained on, and (up to the tolerance,
 for the tokens checked) the logprobs the trainer's importance ratios use.
 """
 
@@ -20,7 +22,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -161,10 +163,23 @@ class Verifier:
             ours = [m for m in _normal(rollout.messages) if m.get("role") == "tool"]
             reason = "tool_mismatch" if theirs != ours else "messages_mismatch"
             raise Rejected(reason, "the messages are not those the tokens and the task's tools give")
-        self.format.score(rollout)
-        if not math.isfinite(ep.reward) or abs(ep.reward - rollout.reward) > REWARD_ATOL:
-            raise Rejected("reward_mismatch", f"claimed reward {ep.reward}, the task gives {rollout.reward}")
+        self.format.score(rollout)  # with the prompt's hidden answer: the reward trained on
+        knowable = self._leased_reward(prompt, rollout)
+        if not math.isfinite(ep.reward) or abs(ep.reward - knowable) > REWARD_ATOL:
+            raise Rejected(
+                "reward_mismatch", f"claimed reward {ep.reward}, the task gives {knowable} on what the lease carries"
+            )
         return rollout
+
+    def _leased_reward(self, prompt: Prompt, rollout: Rollout) -> float:
+        """The reward an honest worker computes: the task scoring the episode on the prompt as
+        leased, without its hidden answer (tests, reference solutions). Where the reward needs
+        that answer, this differs from the one trained on, and the claim is held to this one."""
+        if prompt.answer is None:
+            return float(rollout.reward)
+        leased = replace(rollout, prompt=Prompt(prompt.prompt_id, prompt.messages, None, prompt.info))
+        self.format.score(leased)
+        return float(leased.reward)
 
     def _check_tokens(self, ep: Episode, min_version: int, newest: int) -> None:
         n = len(ep.token_ids)

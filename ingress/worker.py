@@ -30,7 +30,7 @@ from meshrl.inference.backends import make_engine
 from meshrl.ingress.client import Cancelled, IngressError, Refused, RolloutClient, to_episode
 from meshrl.ingress.protocol import GroupResult, Spec
 from meshrl.rollouts.chat import ChatSettings
-from meshrl.rollouts.episodes import EpisodeFormat
+from meshrl.rollouts.episodes import EpisodeFormat, EpisodeLimits
 from meshrl.rollouts.scheduler import EpisodeScheduler, GroupRequest, Sampling
 from meshrl.tasks.base import Prompt, make_task
 
@@ -87,7 +87,12 @@ class RolloutWorker:
         engine.load_weights(weights, version)
         task = make_task(TaskConfig(import_path=spec.task_import_path, kwargs=spec.task_kwargs))
         chat = ChatSettings(spec.renderer, spec.tool_parser, spec.chat_template_kwargs)
-        episodes = EpisodeFormat(AutoTokenizer.from_pretrained(str(path)), task, chat)
+        if self.max_tokens < spec.max_episode_tokens:
+            raise ValueError(
+                f"--max-tokens {self.max_tokens} cannot hold one episode of this run ({spec.max_episode_tokens} tokens)"
+            )
+        limits = EpisodeLimits(spec.max_episode_tokens, spec.max_new_tokens, spec.max_tool_result_tokens)
+        episodes = EpisodeFormat(AutoTokenizer.from_pretrained(str(path)), task, chat, limits)
         sampling = Sampling(spec.temperature, spec.top_p, spec.max_new_tokens)
         self.scheduler = EpisodeScheduler(
             engine, episodes, sampling, max_episodes=self.max_episodes, max_tokens=self.max_tokens

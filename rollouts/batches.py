@@ -107,15 +107,18 @@ def rl_shards(
 
 def rollout_trace(rollout: Rollout, classifier: ErrorClassifier) -> TraceExample:
     """A rollout as a trace example, its error sites marked as ingestion marks them, with its exact
-    ids and each assistant turn's sampled span in them."""
+    ids and each sampled assistant turn's span in them. Assistant turns of the prompt (few-shot
+    examples) are context: they carry no span, as turns of an ingested trace carry none."""
     turns = [Turn.from_message(m) for m in rollout.messages]
-    assistant = [t for t in turns if t.role == "assistant"]
+    assistant = [t for t in turns[len(rollout.prompt.messages) :] if t.role == "assistant"]
     spans = sampled_spans(rollout.loss_mask)
     if len(spans) != len(assistant):
         raise ValueError(f"rollout {rollout.prompt.prompt_id}: {len(spans)} sampled spans for {len(assistant)} turns")
     for turn, span in zip(assistant, spans):
         turn.token_span = span
     mark_error_sites(turns, classifier)
+    for turn in turns[: len(rollout.prompt.messages)]:  # an error site is a turn the policy sampled
+        turn.tool_error = turn.error_meta = None
     return TraceExample(
         trace_id=rollout.prompt.prompt_id,
         source="rollout",

@@ -14,6 +14,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from meshrl.configs.schema import RunConfig
 from meshrl.inference.completion import Completion
 from meshrl.rollouts.chat import ChatSettings, make_chat
 from meshrl.tasks.base import Ending, Prompt, Score, Scoring, Stopping, Task, ToolResult, task_tools
@@ -72,23 +73,84 @@ def rubric_means(rollouts: list[Rollout]) -> dict[str, float]:
     return {key: sum(v) / len(v) for key, v in values.items()}
 
 
-class EpisodeFormat:
-    """How an episode's turns become token ids under the policy's chat format (`rollouts.chat`).
+# What ends an episode whose next turn would not fit its token budget (verifiers' name for it).
+PROMPT_TOO_LONG = "prompt_too_long"
+MIN_TOOL_SHARE = 64  # tokens a result keeps however many calls share a turn's tool budget
+TRUNCATION = "\n[... {cut} tokens of tool output cut: this result is capped at {cap} tokens ...]\n"
 
-    The schedulers (per-episode in `rollouts.scheduler`, lock-step in the benchmark) share it,
-    so both build the same rollouts from the same completions.
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    """The sizes a policy controls, bounded in tokens. `max_tokens`: an episode's whole context
+    (prompt, turns, tool turns); a turn starts only while it plus `max_new_tokens` fits, else the
+    episode ends cut off (finish reason `length`). `max_tool_tokens`: one tool turn's results
+    together; longer ones keep their head and tail around a marker the policy reads."""
+
+    max_tokens: int
+    max_new_tokens: int
+    max_tool_tokens: int
+
+    @classmethod
+    def of(cls, config: RunConfig) -> EpisodeLimits:
+        """A run's limits: an episode fits one generator's KV budget and one trainer micro-batch
+        (a longer one would be cut there, its sampled tail never trained)."""
+        g = config.generator
+        budget = min(g.max_concurrent_tokens, config.trainer.micro_batch_tokens)
+        return cls(budget, g.max_new_tokens, g.max_tool_result_tokens)
+
+
+def cap_tokens(tokenizer: PreTrainedTokenizerBase, text: str, cap: int) -> str:
+    """`text` when it is at most `cap` tokens, else its head and tail around the truncation
+    marker, at most `cap` tokens in all. Idempotent (a capped text is kept as it is), so a tool
+    turn capped on a worker and capped again by the verifier reads the same."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) <= cap:
+        return text
+    keep = cap - len(tokenizer.encode(TRUNCATION.format(cut=len(ids), cap=cap), add_special_tokens=False))
+    while True:  # re-tokenizing decoded pieces can merge or split at the seams: shrink until it fits
+        keep = max(0, keep)
+        head, tail = keep - keep // 2, keep // 2
+        capped = (
+            tokenizer.decode(ids[:head])
+            + TRUNCATION.format(cut=len(ids) - keep, cap=cap)
+            + (tokenizer.decode(ids[len(ids) - tail :]) if tail else "")
+        )
+        if len(tokenizer.encode(capped, add_special_tokens=False)) <= cap or keep == 0:
+            return capped
+        keep -= 8
+
+
+class EpisodeFormat:
+    """How an episode's turns become token ids under the policy's chat format (`rollouts.chat`),
+    within `limits` (none: unbounded, for tools that drive episodes by hand).
+
+    The schedulers (per-episode in `rollouts.scheduler`, lock-step in the benchmark) and the
+    ingress verifier share it, so all build the same rollouts from the same completions.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, task: Task, settings: ChatSettings | None = None) -> None:
-        self.tokenizer, self.task = tokenizer, task
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        task: Task,
+        settings: ChatSettings | None = None,
+        limits: EpisodeLimits | None = None,
+    ) -> None:
+        self.tokenizer, self.task, self.limits = tokenizer, task, limits
         self.tools = task_tools(task)  # rendered by the chat format (e.g. Hermes' system turn)
         self.chat = make_chat(tokenizer, settings or ChatSettings(), self.tools)
         self.stop_ids = self.chat.stop_ids
         self.footer = tokenizer.convert_ids_to_tokens(self.stop_ids[0]) if self.stop_ids else ""  # end of a turn
 
     def start(self, prompt: Prompt) -> Rollout:
-        """A rollout holding the templated prompt, ready for its first assistant turn."""
+        """A rollout holding the templated prompt, ready for its first assistant turn. A prompt
+        that leaves no room for one turn is the task's or the config's error, named here."""
         ids = self.chat.prompt_ids(prompt.messages)
+        if self.limits is not None and len(ids) + self.limits.max_new_tokens > self.limits.max_tokens:
+            raise ValueError(
+                f"prompt {prompt.prompt_id} renders to {len(ids)} tokens: with generator.max_new_tokens "
+                f"{self.limits.max_new_tokens} it does not fit an episode's {self.limits.max_tokens} tokens "
+                "(the smaller of generator.max_concurrent_tokens and trainer.micro_batch_tokens)"
+            )
         return Rollout(prompt, [dict(m) for m in prompt.messages], ids, [False] * len(ids), [0.0] * len(ids), [])
 
     def add_turn(self, rollout: Rollout, completion: Completion) -> list[dict[str, Any]]:
@@ -114,6 +176,8 @@ class EpisodeFormat:
             rollout.stop_condition = "max_turns"
         elif isinstance(self.task, Stopping) and (stop := self.task.stops(rollout.prompt, rollout.messages)):
             rollout.stop_condition = stop
+        elif self.limits is not None and len(rollout.token_ids) + self.limits.max_new_tokens > self.limits.max_tokens:
+            rollout.stop_condition, rollout.finish_reason = PROMPT_TOO_LONG, "length"
         else:
             return True
         return False
@@ -124,9 +188,11 @@ class EpisodeFormat:
     def add_tool_results(self, rollout: Rollout, calls: list[dict[str, Any]], results: list[ToolResult]) -> list[int]:
         """Append the tool turn answering `calls`; returns its token ids (what the next turn prefills)."""
         tool_messages = []
+        share = max(MIN_TOOL_SHARE, self.limits.max_tool_tokens // len(calls)) if self.limits is not None else None
         for call, result in zip(calls, results, strict=True):
             rollout.tool_errors += result.is_error
-            tool_messages.append({"role": "tool", "content": result.content, "tool_call_id": call["id"],
+            content = result.content if share is None else cap_tokens(self.tokenizer, result.content, share)
+            tool_messages.append({"role": "tool", "content": content, "tool_call_id": call["id"],
                                   "is_error": result.is_error})  # fmt: skip
         split = sampled_spans(rollout.loss_mask)[-1].start  # where the turn just sampled begins
         ids = self.chat.tool_turn_ids(

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from monarch.actor import ActorError
 from monarch.spmd import setup_torch_elastic_env
 from transformers import AutoTokenizer
 
@@ -42,7 +43,7 @@ from meshrl.models.tiny import ensure_tiny
 from meshrl.rollouts.advantages import group_advantages
 from meshrl.rollouts.batches import aux_shards, rl_shards, rollout_trace
 from meshrl.rollouts.chat import ChatSettings, make_chat
-from meshrl.rollouts.episodes import EpisodeFormat, Rollout, fresh_rollouts, rubric_means
+from meshrl.rollouts.episodes import EpisodeFormat, EpisodeLimits, Rollout, fresh_rollouts, rubric_means
 from meshrl.rollouts.scheduler import FinishedGroup, GroupRequest
 from meshrl.run.evaluate import BackgroundEval
 from meshrl.run.export import export_model
@@ -54,7 +55,7 @@ from meshrl.tasks.base import make_task, task_tools
 from meshrl.topology.faults import HostLost, RunStopped, SupervisionError, install_fault_hook
 from meshrl.topology.placement import Placement
 from meshrl.topology.pool import ActorPool, ProcMesh, stop_meshes
-from meshrl.traces.collator import TraceCollator
+from meshrl.traces.collator import TraceCollator, to_message
 from meshrl.traces.errors import ErrorClassifier
 from meshrl.traces.pairs import DpoPair, ReplayState, mine_pairs, trace_states
 from meshrl.traces.schema import TraceExample
@@ -63,12 +64,18 @@ from meshrl.traces.schema import TraceExample
 @dataclass
 class GroupSlot:
     """A requested group not yet back: the step it is for, the generator rank and actor asked
-    (a replaced rank has a new one; None while offered to outside workers), and its rollouts."""
+    (a replaced rank has a new one; None while offered to outside workers), the request, and
+    whether it was dealt again already after a generator failed on it."""
 
     step: int
     rank: int | None
     actor: Any
-    samples: int
+    group: GroupRequest
+    redealt: bool = False
+
+    @property
+    def samples(self) -> int:
+        return self.group.samples
 
 
 @dataclass
@@ -157,7 +164,7 @@ class Controller:
         tools = task_tools(self.task)
         self.collator = TraceCollator(
             self.tokenizer, hint_generator=hint if config.loss.sdpo.weight > 0 else None, tools=tools,
-            template_kwargs=self.chat.template_kwargs,
+            template_kwargs=self.chat.template_kwargs, max_seq_len=config.trainer.micro_batch_tokens,
             sampled_format=make_chat(self.tokenizer, self.chat, tools),  # one that would fail mid-run is refused here
         )  # fmt: skip
         if config.trainer.warm_start_steps or config.task.traces:
@@ -178,6 +185,7 @@ class Controller:
         self.pairs: list[DpoPair] = []
         self.dropped_stale = 0
         self.lost_rollouts = 0  # in flight on a generator that died
+        self.generator_errors = 0  # generator calls that raised (the rank was replaced)
         self.teacher_rounds: dict[int, TeacherRound] = {}  # teacher rank -> its round in flight
         self.teacher_counts = {"actor_failures": 0, "late_rounds": 0}
         self.teacher_totals: dict[str, float] = {}  # counters of teacher actors gone (died, or before a resume)
@@ -222,16 +230,18 @@ class Controller:
         """Listen for rollout workers; their submissions are verified against this run's task and
         the policy versions the ingress keeps."""
         cfg, g = self.config, self.config.generator
+        limits = EpisodeLimits.of(cfg)
         spec = Spec(
             task_import_path=cfg.task.import_path, task_kwargs=cfg.task.kwargs, temperature=g.temperature,
             top_p=g.top_p, max_new_tokens=g.max_new_tokens, dtype=cfg.model.dtype,
             renderer=self.chat.renderer, tool_parser=self.chat.tool_parser,
             chat_template_kwargs=self.chat.template_kwargs, model_files=model_files(self.model_path),
+            max_episode_tokens=limits.max_tokens, max_tool_result_tokens=limits.max_tool_tokens,
         )  # fmt: skip
         holder: list[IngressServer] = []
         scorer = Scorer(self.model_path, cfg.model.dtype, g.temperature, lambda v: holder[0].weights_path(v))
         verifier = Verifier(
-            EpisodeFormat(self.tokenizer, make_task(cfg.task), self.chat), scorer,
+            EpisodeFormat(self.tokenizer, make_task(cfg.task), self.chat, limits), scorer,
             max_new_tokens=g.max_new_tokens,
             fraction=cfg.ingress.verify_fraction, tolerance=cfg.ingress.verify_tolerance,
         )  # fmt: skip
@@ -298,16 +308,31 @@ class Controller:
     # ------------------------------------------------------------------ data
 
     def _offline_states(self) -> list[Any]:
-        """States of the ingested traces named in task.traces, for teacher replay."""
+        """States of the ingested traces named in task.traces, for teacher replay. A state whose
+        context leaves no room for a reply in one micro-batch is left out, named: its pair rows
+        could never be trained whole."""
         states = []
         for path in self.config.task.traces:
             for n, line in enumerate(Path(path).read_text().splitlines(), 1):
                 if line.strip():
                     try:
-                        states += trace_states(TraceExample.model_validate_json(line))
+                        example = TraceExample.model_validate_json(line)
                     except ValueError as exc:
                         raise ValueError(f"task.traces: {path}:{n}: not a trace example: {exc}") from None
+                    found = trace_states(example)
+                    fitting = [state for state in found if self._fits(state)]
+                    if len(fitting) < len(found):
+                        print(f"task.traces: {path}:{n} (trace {example.trace_id}): {len(found) - len(fitting)} of "
+                              f"{len(found)} states leave no room for a reply within trainer.micro_batch_tokens "
+                              f"{self.config.trainer.micro_batch_tokens}; left out", flush=True)  # fmt: skip
+                    states += fitting
         return states
+
+    def _fits(self, state: ReplayState) -> bool:
+        """Whether a state's context plus one turn fits a trainer micro-batch."""
+        text = self.collator.render([to_message(m) for m in state.state_messages], generation_prompt=True)
+        context = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return context + self.config.generator.max_new_tokens <= self.config.trainer.micro_batch_tokens
 
     def _streams(self) -> dict[str, Any]:
         return {"data_rng": _rng_state(self.data_rng), "seed_rng": _rng_state(self.seed_rng)}
@@ -338,18 +363,18 @@ class Controller:
                 groups[self.config.ingress.groups_per_step :],
             )
             for group in offered:
-                self.slots[group.key] = GroupSlot(step, None, None, group.samples)
+                self.slots[group.key] = GroupSlot(step, None, None, group)
             self.ingress.offer(step, offered)
         self._deal(step, groups)
 
-    def _deal(self, step: int, groups: list[GroupRequest]) -> None:
+    def _deal(self, step: int, groups: list[GroupRequest], redealt: bool = False) -> None:
         """Hand groups round-robin to the mesh's generators."""
         by_rank: dict[int, list[GroupRequest]] = {}
         for group in groups:
             rank = self.dealt % len(self.generators)
             self.dealt += 1
             by_rank.setdefault(rank, []).append(group)
-            self.slots[group.key] = GroupSlot(step, rank, self.generators[rank], group.samples)
+            self.slots[group.key] = GroupSlot(step, rank, self.generators[rank], group, redealt)
         for rank, rank_groups in by_rank.items():
             submitted = self.generators[rank].submit.call_one(rank_groups)
             while True:
@@ -361,6 +386,9 @@ class Controller:
                         break
                 except SupervisionError:
                     self._generator_died(rank)
+                    break
+                except ActorError as error:
+                    self._generator_failed(rank, error)
                     break
 
     def _feed(self) -> None:
@@ -444,6 +472,9 @@ class Controller:
             except SupervisionError:
                 self._generator_died(rank)
                 continue
+            except ActorError as error:
+                self._generator_failed(rank, error)
+                continue
             del self.takes[rank]
             for group in groups:
                 self._arrived(group, f"generator {rank}")
@@ -456,6 +487,27 @@ class Controller:
             return False
         self._generator_died(rank)
         return True
+
+    def _generator_failed(self, rank: int, error: ActorError) -> None:
+        """A generator's call raised (its scheduler stopped on an engine or task error): the rank
+        is replaced like a dead one, and its groups are dealt again, once (a group that fails a
+        second generator is counted lost, so no deterministic failure loops)."""
+        self.generator_errors += 1
+        print(f"generator rank {rank} failed and is replaced: {str(error).strip().splitlines()[-1]}", flush=True)
+        failed = self.generators[rank]
+        again = [(key, slot) for key, slot in self.slots.items() if slot.actor is failed and not slot.redealt]
+        for key, _ in again:
+            del self.slots[key]
+        try:  # free its engine now; its process ends with the run
+            failed.close.call_one().get(timeout=HOST_PROBE_S * 5)
+        except Exception:  # noqa: BLE001 - a generator too broken to close is replaced all the same
+            pass
+        self._generator_died(rank)
+        by_step: dict[int, list[GroupRequest]] = {}
+        for _, slot in again:
+            by_step.setdefault(slot.step, []).append(slot.group)
+        for step, groups in sorted(by_step.items()):
+            self._deal(step, groups, redealt=True)
 
     def _generator_died(self, rank: int) -> None:
         """Count the rank's groups in flight as lost, and replace it (once, however many calls
@@ -632,6 +684,7 @@ class Controller:
             "pairs": [p.model_dump() for p in self.pairs],
             "dropped_stale": self.dropped_stale,
             "lost_rollouts": self.lost_rollouts,
+            "generator_errors": self.generator_errors,
             "teacher_cache": str(self.run.root / "teacher_cache.jsonl"),
             "ingress": self.ingress.state() if self.ingress is not None else {},
         }
@@ -664,6 +717,7 @@ class Controller:
         self.pairs = [DpoPair.model_validate(p) for p in state["pairs"]]
         self.dropped_stale = state["dropped_stale"]
         self.lost_rollouts = state["lost_rollouts"]
+        self.generator_errors = state.get("generator_errors", 0)  # absent from checkpoints of earlier versions
         if self.ingress is not None:
             self.ingress.restore(state.get("ingress", {}))
         self.run.keep_metrics_before(self.step)
@@ -681,9 +735,15 @@ class Controller:
         )
         world = self.config.topology.trainer.size
         size = self.config.trainer.warm_start_batch_size
+        cut = 0
         for i in range(steps):
             chunk = demos[i * size : (i + 1) * size]
-            self.trainers.sft_step.call([self.collator(chunk[r::world]).batch for r in range(world)]).get()
+            collated = [self.collator(chunk[r::world]) for r in range(world)]
+            cut += sum(c.stats.truncated for c in collated)
+            self.trainers.sft_step.call([c.batch for c in collated]).get()
+        if cut:
+            print(f"warm start: {cut} demonstrations longer than trainer.micro_batch_tokens "
+                  f"{self.config.trainer.micro_batch_tokens} were cut to it", flush=True)  # fmt: skip
         self.trainers.start_rl.call().get()
         self.publish(0, wait=True)
 
@@ -740,6 +800,7 @@ class Controller:
                 "dropped_stale": self.dropped_stale,
                 "lost_rollouts": self.lost_rollouts,
                 "generator/respawns": self.generators.replaced,
+                "generator/errors": self.generator_errors,
                 "staleness": sum(self.step - 1 - v for v in sampled) / max(1, len(sampled)),
                 "staleness/max": max(self.step - 1 - v for v in sampled),
                 "tool_errors": sum(r.tool_errors for r in fresh),

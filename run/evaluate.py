@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 from meshrl.configs.schema import RunConfig
 from meshrl.inference.backends import make_engine
 from meshrl.rollouts.chat import ChatSettings
-from meshrl.rollouts.episodes import EpisodeFormat
+from meshrl.rollouts.episodes import EpisodeFormat, EpisodeLimits
 from meshrl.rollouts.evaluation import EvalPlan, EvalResult, eval_prompts, evaluate
 from meshrl.rollouts.scheduler import Sampling
 from meshrl.run.run_dir import RunDir, write_atomic
@@ -53,7 +53,7 @@ def plan_for(config: RunConfig) -> EvalPlan:
 
 def _episodes(config: RunConfig, path: str | Path) -> EpisodeFormat:
     tokenizer = AutoTokenizer.from_pretrained(path)
-    return EpisodeFormat(tokenizer, make_task(config.task), ChatSettings.of(config.model))
+    return EpisodeFormat(tokenizer, make_task(config.task), ChatSettings.of(config.model), EpisodeLimits.of(config))
 
 
 def evaluate_checkpoint(config: RunConfig, checkpoint: str | Path, out: Path | None = None) -> EvalResult:

@@ -15,7 +15,8 @@ METRICS: dict[str, dict[str, str]] = {
     "Reward and rollouts": {
         "reward/mean": "Mean reward of the step's fresh (trained-on) rollouts, outside workers' and refills' included.",
         "rollouts": "Fresh rollouts the step used (after stale ones were dropped; refill groups included).",
-        "rollouts/cut_off": "Fresh rollouts whose last turn hit generator.max_new_tokens.",
+        "rollouts/cut_off": "Fresh rollouts cut off (finish reason length): their last turn hit generator.max_new_tokens, "
+        "or their next turn would not have fit the episode token budget.",
         "rollouts/cut_off_masked": "Cut-off rollouts left out of the RL loss (trainer.mask_truncated_completions).",
         "rollouts/external": "Fresh rollouts from outside rollout workers (ingress on).",
         "reward/external": "Mean reward of the outside workers' rollouts (null in metrics.jsonl on a step without any; ingress on).",
@@ -23,7 +24,9 @@ METRICS: dict[str, dict[str, str]] = {
         "tool_errors": "Tool calls that returned an error, summed over the step's rollouts.",
         "dropped_stale": "Rollouts dropped so far as older than generator.max_off_policy_steps versions (cumulative).",
         "lost_rollouts": "Rollouts lost so far in flight on a generator that died (cumulative).",
-        "generator/respawns": "Generator actors replaced after dying since the run (or its resume) started.",
+        "generator/respawns": "Generator actors replaced after dying or failing since the run (or its resume) started.",
+        "generator/errors": "Generator calls that raised so far (cumulative): the rank was replaced and its groups "
+        "dealt again once.",
         "staleness": "Mean over sampled tokens of (step − the policy version that sampled the token).",
         "staleness/max": "Largest token staleness of the step, in policy versions.",
         "replay_pairs": "DPO pairs mined from teacher answers since the previous step.",

@@ -291,3 +291,30 @@ def test_a_template_that_cannot_carry_the_episode_is_refused_at_start_up():
         TraceCollator(distill).turn_markers  # noqa: B018 - what the controller asks at start-up when it has such traces
     with pytest.raises(ValueError, match="model.renderer 'llama-3' does not fit this tokenizer"):
         EpisodeFormat(qwen3, TASK, ChatSettings("llama-3"))
+
+
+@pytest.mark.parametrize("name", ["qwen2.5", "qwen3-no-thinking"])  # the template path, a `renderers` family
+def test_a_few_shot_prompt_s_assistant_turns_are_context_not_sampled_turns(name):
+    """A prompt that carries an example exchange (verifiers tasksets keep few-shot turns): its
+    assistant turn is part of the prompt's ids, no sampled span, no replay state and no error site."""
+    family = FAMILIES[name]
+    episodes = EpisodeFormat(family_tokenizer(family), TASK, family.settings)
+    shot = [{"role": "user", "content": 'Job "q": poll it until done.'}, {"role": "assistant", "content": "17"}]
+    few_shot = PROMPT.__class__(PROMPT.prompt_id, shot + PROMPT.messages, PROMPT.answer, PROMPT.info)
+    rollout = episodes.start(few_shot)
+    for text in family.turns:
+        ids = episodes.tokenizer(text, add_special_tokens=False)["input_ids"] + episodes.stop_ids[:1]
+        calls = episodes.add_turn(rollout, Completion(rollout.token_ids, ids, [0.0] * len(ids), "stop", [0] * len(ids)))
+        if not episodes.goes_on(rollout, calls):
+            break
+        episodes.add_tool_results(rollout, calls, [episodes.call_tool(rollout, c) for c in calls])
+    assert rollout.reward is None and rollout.turns == 3
+    trace = rollout_trace(rollout, ErrorClassifier())
+    example, *sampled = [t for t in trace.turns if t.role == "assistant"]
+    assert example.content == "17" and example.token_span is None
+    assert [trace.token_ids[t.token_span.start : t.token_span.end] for t in sampled] == [
+        episodes.tokenizer(text, add_special_tokens=False)["input_ids"] + episodes.stop_ids[:1] for text in family.turns
+    ]
+    states = trace_states(trace)
+    assert [s.turn_index for s in states] == [i for i, t in enumerate(trace.turns) if t.token_span is not None]
+    assert [t.tool_error is not None for t in trace.turns if t.role == "assistant"] == [False, False, True, False]

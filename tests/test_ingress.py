@@ -100,6 +100,7 @@ def make_harness(root: Path, spec: TinyModelConfig, dtype: str, temperature: flo
     spec_msg = Spec(
         task_import_path=TASK.import_path, task_kwargs=TASK.kwargs, temperature=temperature, top_p=1.0,
         max_new_tokens=MAX_NEW, dtype=dtype, renderer="template", tool_parser="hermes", chat_template_kwargs={}, model_files=model_files(model),
+        max_episode_tokens=4096, max_tool_result_tokens=1024,
     )  # fmt: skip
     holder: list[IngressServer] = []
     scorer = Scorer(str(model), dtype, temperature, lambda v: holder[0].weights_path(v))
@@ -228,6 +229,32 @@ def test_forged_submissions_are_rejected_and_counted(harness):
     assert len(h.server.reclaim(step=-1)) == len(cases)  # leases 7-11, unexpired, stay with the forger
     forger.close()
     other.close()
+
+
+def test_a_reward_that_needs_the_hidden_answer_is_computed_here_and_the_claim_held_to_what_the_lease_carries(harness):
+    """The toy task's full reward compares the answer with `Prompt.answer`, which no lease carries:
+    an honest worker that answers right computes 0.4 (the right lookup), the controller trains on
+    1.0. The claim of 0.4 is accepted; a claim of the 1.0 the worker could not compute, or of any
+    other value, is rejected."""
+    h = harness
+    worker, liar = h.client("honest"), h.client("forger")
+    h.offer(3)
+    leases = worker.lease(1) + liar.lease(2)
+    value = lambda lease: lease.info["store"][lease.info["key"]]  # noqa: E731
+    correct = lambda lease: [lookup_turns(lease)[0], value(lease)]  # noqa: E731
+    honest = [to_episode(forced_rollout(h, leases[0], correct(leases[0]))) for _ in range(2)]
+    assert {ep.reward for ep in honest} == {0.4}  # what the worker computes without the answer
+    assert submit(worker, leases[0].lease_id, honest) == ("accepted", "")
+    (group,) = h.server.collect()
+    assert [r.reward for r in group.rollouts] == [1.0, 1.0]  # what the controller trains on
+    for lease, claim in ((leases[1], 1.0), (leases[2], 0.5)):
+        episodes = [to_episode(forced_rollout(h, lease, correct(lease))) for _ in range(2)]
+        for ep in episodes:
+            ep.reward = claim
+        assert submit(liar, lease.lease_id, episodes) == ("rejected", "reward_mismatch")
+    h.server.reclaim(step=-1)
+    worker.close()
+    liar.close()
 
 
 def test_expired_lease_goes_to_the_mesh_and_its_late_submission_is_dropped(harness):

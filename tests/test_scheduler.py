@@ -20,7 +20,14 @@ from meshrl.inference.hf_engine import HFEngine
 from meshrl.models.tiny import build_model, ensure_tiny
 from meshrl.rollouts.advantages import group_advantages
 from meshrl.rollouts.batches import rl_shards
-from meshrl.rollouts.episodes import EpisodeFormat, Rollout, fresh_rollouts
+from meshrl.rollouts.episodes import (
+    PROMPT_TOO_LONG,
+    EpisodeFormat,
+    EpisodeLimits,
+    Rollout,
+    cap_tokens,
+    fresh_rollouts,
+)
 from meshrl.rollouts.scheduler import EpisodeScheduler, FinishedGroup, GroupRequest, Sampling
 from meshrl.tasks.base import Prompt, ToolResult
 from meshrl.tasks.poll import PollTask
@@ -44,9 +51,10 @@ def poll_model(tmp_path_factory) -> str:
     return str(root / "sft")
 
 
-def scheduler(path: str, task, *, max_new_tokens: int = 40, max_episodes: int = 16, max_tokens: int = 100_000):
+def scheduler(path: str, task, *, max_new_tokens: int = 40, max_episodes: int = 16, max_tokens: int = 100_000,
+              limits: EpisodeLimits | None = None):  # fmt: skip
     engine = HFEngine.from_pretrained(path)
-    episodes = EpisodeFormat(AutoTokenizer.from_pretrained(path), task)
+    episodes = EpisodeFormat(AutoTokenizer.from_pretrained(path), task, limits=limits)
     return EpisodeScheduler(engine, episodes, Sampling(1.0, 1.0, max_new_tokens), max_episodes=max_episodes,
                             max_tokens=max_tokens)  # fmt: skip
 
@@ -226,6 +234,59 @@ def test_the_token_cap_evicts_idle_caches_and_refuses_an_episode_that_cannot_fit
                 tight.take(0.5)
     finally:
         tight.close()
+
+
+class FloodingPollTask(PollTask):
+    """PollTask whose tool appends ~120 KB of hex to every answer (a policy's
+    `print(random.randbytes(60000).hex())`)."""
+
+    def call_tool(self, prompt: Prompt, name: str, arguments: dict) -> ToolResult:
+        result = super().call_tool(prompt, name, arguments)
+        return ToolResult(result.content + "\n" + random.Random(0).randbytes(60_000).hex(), result.is_error)
+
+
+def test_a_flooding_tool_is_capped_and_an_episode_past_its_budget_ends_cut_off(poll_model):
+    """Unbounded, one result is ~100k tokens: the episode no longer fits the scheduler's cap and
+    the generator fails. Bounded, every tool turn keeps its head and tail within the cap, around a
+    marker the policy reads, and an episode whose next turn would not fit ends cut off."""
+    task = FloodingPollTask(4, 6)
+    prompts = task.sample_prompts(random.Random(5), 3)
+    limits = EpisodeLimits(max_tokens=600, max_new_tokens=40, max_tool_tokens=128)
+    bounded = scheduler(poll_model, task, max_tokens=4096, limits=limits)
+    try:
+        groups = run_groups(bounded, [GroupRequest(f"g{i}", p, 2, seed=i) for i, p in enumerate(prompts)])
+    finally:
+        bounded.close()
+    tokenizer = AutoTokenizer.from_pretrained(poll_model)
+    rollouts = [r for g in groups for r in g.rollouts]
+    tool_turns = [m["content"] for r in rollouts for m in r.messages if m["role"] == "tool"]
+    assert tool_turns and all("tokens of tool output cut" in t for t in tool_turns)
+    assert max(len(tokenizer.encode(t, add_special_tokens=False)) for t in tool_turns) <= 128
+    assert all(t.startswith(("running", "done", "error")) for t in tool_turns)  # the head is kept
+    ended = [r for r in rollouts if r.stop_condition == PROMPT_TOO_LONG]
+    assert ended and all(r.finish_reason == "length" for r in ended)
+    assert all(max(i for i, m in enumerate(r.loss_mask) if m) < 600 for r in rollouts)  # every sampled token fits
+
+    unbounded = scheduler(poll_model, task, max_tokens=4096)
+    try:
+        unbounded.submit([GroupRequest("g", prompts[0], 1, seed=0)])
+        with pytest.raises(RuntimeError, match="does not fit generator.max_concurrent_tokens"):
+            for _ in range(100):
+                unbounded.take(0.5)
+    finally:
+        unbounded.close()
+
+
+@pytest.mark.parametrize("cap", [64, 100, 257])
+def test_a_capped_tool_result_stays_as_it_is_when_capped_again(poll_model, cap):
+    """The verifier caps a worker's (already capped) tool turn again: it must read the same."""
+    tokenizer = AutoTokenizer.from_pretrained(poll_model)
+    rng = random.Random(cap)
+    for text in ("short result", rng.randbytes(3000).hex(), " ".join(str(rng.random()) for _ in range(900))):
+        once = cap_tokens(tokenizer, text, cap)
+        assert len(tokenizer.encode(once, add_special_tokens=False)) <= cap
+        assert cap_tokens(tokenizer, once, cap) == once
+        assert (once == text) == (len(tokenizer.encode(text, add_special_tokens=False)) <= cap)
 
 
 def test_a_group_waits_for_the_policy_version_it_needs(tmp_path):

@@ -107,10 +107,12 @@ def _action_dict(turn: Turn) -> dict[str, Any]:
 
 def trace_states(example: TraceExample) -> list[ReplayState]:
     """One state per assistant turn, its messages being every turn before it (and, for a sampled
-    turn, the exact ids before it and the ids it sampled)."""
+    turn, the exact ids before it and the ids it sampled). In a sampled trace (one with its ids)
+    only the sampled turns are the student's: its prompt's assistant turns (few-shot examples)
+    are context."""
     states = []
     for index, turn in enumerate(example.turns):
-        if turn.role != "assistant":
+        if turn.role != "assistant" or (example.token_ids is not None and turn.token_span is None):
             continue
         prompt_ids, sampled = example.sampled_ids(turn) or (None, None)
         states.append(
