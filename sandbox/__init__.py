@@ -1,7 +1,8 @@
 """Running code a policy wrote: a fresh, limited, network-less process per call (`Sandbox`).
 
-Backends: bubblewrap (`bwrap`, Linux namespaces; the default), a container per call through the
-Docker SDK, or none (plain limited processes on the host: only when the config says so, loudly).
+Backends: bubblewrap (`bwrap`, Linux namespaces and a seccomp filter; the default), a container
+per call through the Docker SDK, or none (plain limited processes on the host: only when the
+config says so, loudly).
 """
 
 from __future__ import annotations

@@ -1,17 +1,28 @@
-"""Bubblewrap: each call in new user, PID, network, IPC, UTS and mount namespaces.
+"""Bubblewrap: each call in new user, PID, network, IPC, UTS and mount namespaces, under a seccomp filter.
 
-What the program sees: `/usr` (and the interpreter's prefix) read-only, a fresh `/proc` of its
-own PID namespace, a read-only minimal `/dev`, and size-limited tmpfs at `/work` (its working
-directory, empty; the program is read-only at `/run/meshrl/main.py`), `/tmp` and `/dev/shm`.
-Nothing else of the host — no `/home`, `/root`, `/etc`, run directory or key files — and no
-network interface but loopback. As root each call runs as its own unprivileged uid, so its
-process limit is its own; the namespace's processes die with the call (`--die-with-parent`, and
-the PID namespace ends with its init).
+What the program sees: a read-only root holding `/usr` (and the interpreter's prefix) read-only, a
+fresh `/proc` of its own PID namespace, a read-only minimal `/dev`, and two size-limited tmpfs:
+`/work` (its working directory, empty; the program is read-only at `/run/meshrl/main.py`) and
+`/dev/shm`, which `/tmp` links to. Nothing else of the host — no `/home`, `/root`, `/etc`, run
+directory or key files — and no network interface but loopback. As root each call runs as its own
+unprivileged uid, so its process limit is its own; the namespace's processes die with the call
+(`--die-with-parent`, and the PID namespace ends with its init).
+
+Memory a call could pin beyond its processes' rlimits and its two tmpfs has no way in: the root is
+read-only, user namespaces are disabled (no tmpfs mounted in a nested one), and `seccomp_filter`
+refuses SysV and POSIX IPC, memory-only files, the kernel keyring, mounts and namespaces, socket
+families but AF_UNIX and larger socket buffers.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
 import shutil
+import socket
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from meshrl.configs.schema import SandboxConfig
@@ -22,6 +33,53 @@ _MERGED = ("bin", "lib", "lib64", "sbin")  # symlinks into /usr on merged-/usr s
 # first entry (what the program writes there, it can import), as for `python -c`.
 PROGRAM = "/run/meshrl/main.py"
 RUN_PROGRAM = f"import runpy, sys; sys.argv = ['main.py']; runpy.run_path({PROGRAM!r}, run_name='__main__')"
+# Refused with EPERM: what would hold memory that no process's address space counts (SysV and
+# POSIX IPC objects live as long as the IPC namespace; memfd files count against no tmpfs), the
+# kernel keyring (the caller's session keyring would be shared with every call), mounts and
+# namespaces, and kernel interfaces a program has no use for that exploits favour.
+REFUSED = (
+    "shmget", "msgget", "semget", "mq_open", "memfd_create", "memfd_secret",
+    "add_key", "keyctl", "request_key",
+    "unshare", "setns", "mount", "umount2", "pivot_root",
+    "fsopen", "fsconfig", "fsmount", "fspick", "move_mount", "open_tree", "mount_setattr",
+    "bpf", "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register",
+)  # fmt: skip
+_NAMESPACES = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)  # CLONE_NEW*
+_SO_BUFFERS = (socket.SO_SNDBUF, socket.SO_RCVBUF)
+
+
+def seccomp_filter() -> bytes:
+    """The BPF program bwrap loads before the call's program runs, built by libseccomp.
+
+    clone3 answers ENOSYS (its flags are out of a filter's reach; glibc then uses clone, whose
+    namespace flags are refused); other ABIs (32-bit `int 0x80`, x32) answer ENOSYS to every call.
+    """
+    try:
+        import pyseccomp as sc
+    except (ImportError, OSError, RuntimeError) as error:  # pyseccomp raises RuntimeError without libseccomp
+        raise SandboxUnavailable(
+            f"the bwrap sandbox's syscall filter needs libseccomp (Debian/Ubuntu: apt-get install libseccomp2): {error}"
+        ) from error
+    refuse, low32 = sc.ERRNO(errno.EPERM), 0xFFFFFFFF  # the kernel reads socket levels and options as ints
+    rules: list[tuple] = [(refuse, name) for name in REFUSED]
+    rules += [
+        (sc.ERRNO(errno.ENOSYS), "clone3"),
+        (sc.ERRNO(errno.EAFNOSUPPORT), "socket", sc.Arg(0, sc.NE, socket.AF_UNIX)),
+    ]
+    rules += [(refuse, "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag)) for flag in _NAMESPACES]
+    rules += [(refuse, "setsockopt", sc.Arg(1, sc.MASKED_EQ, low32, socket.SOL_SOCKET), sc.Arg(2, sc.MASKED_EQ, low32, option))
+              for option in _SO_BUFFERS]  # fmt: skip
+    bpf = sc.SyscallFilter(sc.ALLOW)
+    bpf.set_attr(sc.Attr.ACT_BADARCH, sc.ERRNO(errno.ENOSYS))
+    for action, name, *args in rules:
+        try:
+            bpf.add_rule(action, name, *args)
+        except OSError as error:  # a libseccomp older than the system call
+            raise SandboxUnavailable(f"libseccomp cannot filter {name} (upgrade libseccomp2): {error}") from error
+    with tempfile.TemporaryFile() as out:
+        bpf.export_bpf(out)
+        out.seek(0)
+        return out.read()
 
 
 class BwrapSandbox(ProcessSandbox):
@@ -33,15 +91,27 @@ class BwrapSandbox(ProcessSandbox):
             )
         if shutil.which("prlimit") is None:
             raise SandboxUnavailable("the sandbox needs prlimit (util-linux) to set its limits")
+        self.filter = seccomp_filter()
         self.python = Path(config.python)
         prefix = self.python.resolve().parent.parent
         self.binds = ["/usr"] + ([str(prefix)] if not prefix.is_relative_to("/usr") else [])
         super().__init__(config)
 
-    def command(self, program: Path) -> list[str]:
+    @contextlib.contextmanager
+    def launch(self, program: Path) -> Iterator[tuple[list[str], tuple[int, ...]]]:
+        """bwrap reads the filter from a pipe of its own (a shared descriptor's offset would race)."""
+        read, write = os.pipe()
+        try:
+            with open(write, "wb") as pipe:  # far below a pipe's 64 KiB buffer: never blocks
+                pipe.write(self.filter)
+            yield self._argv(program, read), (read,)
+        finally:
+            os.close(read)
+
+    def _argv(self, program: Path, seccomp_fd: int) -> list[str]:
         size = str(self.config.workdir_mb << 20)
-        argv = [self.bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
-                "--hostname", "sandbox", "--clearenv"]  # fmt: skip
+        argv = [self.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
+                "--new-session", "--cap-drop", "ALL", "--hostname", "sandbox", "--clearenv"]  # fmt: skip
         for key, value in ENV.items():
             argv += ["--setenv", key, value]
         for path in self.binds:
@@ -53,7 +123,7 @@ class BwrapSandbox(ProcessSandbox):
             elif host.is_dir():
                 argv += ["--ro-bind", str(host), str(host)]
         argv += ["--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
-                 "--size", size, "--tmpfs", "/tmp", "--size", size, "--tmpfs", "/work",
-                 "--ro-bind", str(program), PROGRAM, "--chdir", "/work",
-                 str(self.python), "-s", "-c", RUN_PROGRAM]  # fmt: skip
+                 "--symlink", "/dev/shm", "/tmp", "--size", size, "--tmpfs", "/work",
+                 "--ro-bind", str(program), PROGRAM, "--remount-ro", "/", "--chdir", "/work",
+                 "--seccomp", str(seccomp_fd), str(self.python), "-s", "-c", RUN_PROGRAM]  # fmt: skip
         return argv

@@ -151,6 +151,11 @@ class ProcessSandbox(Sandbox):
     def command(self, program: Path) -> list[str]:
         raise NotImplementedError
 
+    @contextlib.contextmanager
+    def launch(self, program: Path) -> Iterator[tuple[list[str], tuple[int, ...]]]:
+        """The call's argv and the descriptors it inherits, open until it has started."""
+        yield self.command(program), ()
+
     def _limits(self, uid: int | None) -> list[str]:
         c = self.config
         processes = c.processes + 4  # prlimit's exec, bwrap and its namespace init
@@ -186,13 +191,13 @@ class ProcessSandbox(Sandbox):
 
     def _run(self, slot: int, code: str) -> Run:
         with self._uid() as uid, ProgramFile(code, uid) as program:
-            argv = self._limits(uid) + self.command(program.path)
-            start = time.monotonic()
-            process = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV,
-                process_group=0, close_fds=True, cwd=program.directory,
-                **({"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}),
-            )  # fmt: skip
+            with self.launch(program.path) as (argv, fds):
+                start = time.monotonic()
+                process = subprocess.Popen(
+                    self._limits(uid) + argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE, env=ENV, process_group=0, close_fds=True, pass_fds=fds,
+                    cwd=program.directory, **({"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}),
+                )  # fmt: skip
             self._started(slot, lambda: _kill(process))
             try:
                 out, err, killed_for = _read(process, start + self.config.wall_time_s, self.config.output_bytes)

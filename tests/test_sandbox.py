@@ -3,12 +3,16 @@ answered with a bounded result naming the limit it broke, and leaves the host as
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import os
 import socket
+import sys
 import threading
 from pathlib import Path
 
+import pyseccomp
 import pytest
 
 from meshrl.configs.schema import SandboxConfig
@@ -49,6 +53,80 @@ def test_dev_is_read_only_and_shared_memory_is_bounded(sandbox):
         "f = open('/dev/shm/x', 'w')\nfor _ in range(8):\n    f.write('x' * (1 << 20))\n    f.flush()"
     )
     assert run.limit in ("workdir", "file_size"), run.report()
+
+
+def test_the_root_is_read_only(sandbox):
+    run = sandbox.run_python("import os\nprint(bool(os.statvfs('/').f_flag & os.ST_RDONLY))\nos.mkdir('/pinned')")
+    assert run.stdout == "True\n" and "Read-only file system" in run.stderr, run.report()
+
+
+LIBC = "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.syscall.restype = ctypes.c_long\n"
+
+
+@pytest.mark.parametrize(
+    "program",
+    [
+        "libc.shmat.restype = ctypes.c_void_p\nshm = libc.shmget(0, 8 << 20, 0o1600)\nif shm < 0:\n"
+        "    print('refused', ctypes.get_errno())\nelse:\n    address = libc.shmat(shm, None, 0)\n"
+        "    ctypes.memset(address, 1, 8 << 20)\n    libc.shmdt(ctypes.c_void_p(address))\n    print('pinned')",
+        "try:\n    os.write(os.memfd_create('x'), b'x' * (1 << 19))\n    print('pinned')\n"
+        "except OSError as error:\n    print('refused', error.errno)",
+        "uid, gid = os.getuid(), os.getgid()\nif libc.unshare(0x10000000 | 0x20000):  # CLONE_NEWUSER | CLONE_NEWNS\n"
+        "    print('refused', ctypes.get_errno())\nelse:\n    open('/proc/self/setgroups', 'w').write('deny')\n"
+        "    open('/proc/self/uid_map', 'w').write(f'0 {uid} 1')\n    open('/proc/self/gid_map', 'w').write(f'0 {gid} 1')\n"
+        "    if libc.mount(b'none', b'/work', b'tmpfs', 0, None):\n        print('refused', ctypes.get_errno())\n"
+        "    else:\n        open('/work/x', 'wb').write(b'x' * (1 << 19))\n        print('pinned')",
+    ],
+    ids=["detached-sysv-shm", "memfd", "tmpfs-in-a-nested-user-namespace"],
+)  # fmt: skip
+def test_memory_outside_the_calls_bound_cannot_be_pinned(sandbox, program):
+    run = sandbox.run_python(LIBC + program)
+    assert run.ok and run.stdout.startswith("refused"), run.report()
+
+
+def test_kernel_interfaces_a_program_has_no_use_for_are_refused_not_fatal(sandbox):
+    numbers = {name: pyseccomp.resolve_syscall(pyseccomp.Arch.NATIVE, name)
+               for name in ("bpf", "perf_event_open", "userfaultfd", "io_uring_setup")}  # fmt: skip
+    calls = f"for name, number in {numbers}.items():\n    print(name, libc.syscall(number, 0, 0, 0, 0, 0), ctypes.get_errno())"
+    run = sandbox.run_python(LIBC + calls)
+    assert run.ok and run.stdout.splitlines() == [f"{name} -1 1" for name in numbers], run.report()
+
+
+def test_the_callers_keyring_is_out_of_reach_and_no_key_outlives_a_call(sandbox):
+    add_key, keyctl = (pyseccomp.resolve_syscall(pyseccomp.Arch.NATIVE, n) for n in ("add_key", "keyctl"))
+    session, search, read, unlink = -3, 10, 11, 9  # KEY_SPEC_SESSION_KEYRING, KEYCTL_SEARCH, _READ, _UNLINK
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    host_key = libc.syscall(add_key, b"user", b"meshrl-test-host", b"host-secret", 11, session)
+    assert host_key > 0, os.strerror(ctypes.get_errno())
+    calls = f"""
+buffer = ctypes.create_string_buffer(64)
+print('host key:', libc.syscall({keyctl}, {search}, {session}, b'user', b'meshrl-test-host', 0),
+      libc.syscall({keyctl}, {read}, {host_key}, buffer, 64), buffer.value)
+print('planted:', libc.syscall({keyctl}, {search}, {session}, b'user', b'meshrl-test-planted', 0),
+      libc.syscall({add_key}, b'user', b'meshrl-test-planted', b'x', 1, {session}))
+print(open('/proc/keys').read())"""
+    try:
+        for run in (sandbox.run_python(LIBC + calls), sandbox.run_python(LIBC + calls)):
+            assert run.ok and run.stdout.startswith("host key: -1 -1 b''\nplanted: -1 -1\n"), run.report()
+            assert "meshrl-test" not in run.stdout or os.geteuid() != 0  # not root: /proc/keys names the user's keys
+        assert libc.syscall(keyctl, search, session, b"user", b"meshrl-test-planted", 0) == -1
+    finally:
+        libc.syscall(keyctl, unlink, host_key, session)
+
+
+def test_a_program_may_use_threads_subprocesses_and_multiprocessing(sandbox):
+    program = """
+import multiprocessing, subprocess, sys, tempfile, threading
+thread = threading.Thread(target=print, args=("thread",))
+thread.start()
+thread.join()
+print(subprocess.run([sys.executable, "-c", "print('child')"], capture_output=True, text=True).stdout, end="")
+with multiprocessing.Pool(2) as pool:
+    print(pool.map(abs, [-1, -2]))
+print(tempfile.mkstemp()[1].startswith("/tmp/"))"""
+    run = sandbox.run_python(program)
+    assert run.ok and run.stdout == "thread\nchild\n[1, 2]\nTrue\n", run.report()
 
 
 def test_writes_outside_the_working_directory_do_not_reach_the_host(sandbox, tmp_path):
@@ -210,6 +288,11 @@ def test_two_sandboxes_of_one_host_never_share_a_uid(monkeypatch):
 def test_a_missing_sandbox_is_refused_naming_what_to_install(monkeypatch):
     with pytest.raises(SandboxUnavailable, match="no such interpreter"):
         make_sandbox(SandboxConfig(python="/no/python3"))
+    with monkeypatch.context() as patched:  # no libseccomp: pyseccomp cannot load
+        patched.delitem(sys.modules, "pyseccomp")
+        patched.setattr(ctypes.util, "find_library", lambda name: None)
+        with pytest.raises(SandboxUnavailable, match="apt-get install libseccomp2"):
+            make_sandbox(SandboxConfig())
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(SandboxUnavailable, match="apt-get install bubblewrap"):
         make_sandbox(SandboxConfig())
