@@ -3,9 +3,22 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from meshrl.rollouts.episodes import Rollout
+
+
+def check_draws(prompt_ids: Sequence[str], in_flight: Collection[str], task: str) -> None:
+    """Refuse a draw whose prompt ids repeat one another or a group of the same step still in
+    flight: advantages are per prompt id, so two draws sharing one would merge into one group."""
+    seen = set(in_flight)
+    for prompt_id in prompt_ids:
+        if prompt_id in seen:
+            raise ValueError(
+                f"task {task} drew prompt id {prompt_id!r} twice for one step: a group is one draw, so each "
+                "draw needs its own prompt_id (keep the problem's id in Prompt.info)"
+            )
+        seen.add(prompt_id)
 
 
 def group_advantages(rollouts: Sequence[Rollout]) -> list[float]:

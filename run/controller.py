@@ -40,7 +40,7 @@ from meshrl.ingress.server import IngressServer, model_files
 from meshrl.ingress.verify import Scorer, Verifier
 from meshrl.models.gguf import ensure_gguf, is_gguf
 from meshrl.models.tiny import ensure_tiny
-from meshrl.rollouts.advantages import group_advantages
+from meshrl.rollouts.advantages import check_draws, group_advantages
 from meshrl.rollouts.batches import aux_shards, rl_shards, rollout_trace
 from meshrl.rollouts.chat import ChatSettings, make_chat
 from meshrl.rollouts.episodes import EpisodeFormat, EpisodeLimits, Rollout, fresh_rollouts, rubric_means
@@ -341,8 +341,11 @@ class Controller:
         """`n` groups for `step`: a group starts once its generator runs policy version
         `step - max_async_level` or newer."""
         g = self.config.generator
+        prompts = self.task.sample_prompts(prompt_rng, n)
+        in_flight = [slot.group.prompt.prompt_id for slot in self.slots.values() if slot.step == step]
+        check_draws([p.prompt_id for p in prompts], in_flight, self.config.task.import_path)
         groups = []
-        for prompt in self.task.sample_prompts(prompt_rng, n):
+        for prompt in prompts:
             key = f"{step}/{self.groups_asked}"
             self.groups_asked += 1
             seed = seed_rng.randrange(2**31)

@@ -23,7 +23,9 @@ from meshrl.traces.schema import TraceExample
 
 @dataclass
 class Prompt:
-    """One episode's opening: its messages and whatever the verifier needs to score it."""
+    """One episode's opening: its messages and whatever the verifier needs to score it. A draw is a
+    group (its samples' advantages are against each other): `prompt_id` is unique per draw, the
+    underlying problem's id goes in `info` (the controller refuses a step whose draws share one)."""
 
     prompt_id: str
     messages: list[dict[str, Any]]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from meshrl.rollouts.advantages import group_advantages
+import pytest
+
+from meshrl.rollouts.advantages import check_draws, group_advantages
 from meshrl.rollouts.batches import rl_shards
 from meshrl.rollouts.episodes import Rollout
 from meshrl.tasks.base import Prompt
@@ -56,3 +58,11 @@ def test_rl_micro_batches_stack_rows_as_wide_as_the_longest_rollout():
     # More ranks than micro-batches by the budget: every rank with a row to take gets one.
     spread = rl_shards(rollouts, [1.0] * 5, micro_batch_tokens=24, pad_id=0, world=4)
     assert [len(shard) for shard in spread.shards] == [1, 1, 1, 0]
+
+
+def test_a_step_whose_draws_share_a_prompt_id_is_refused_naming_the_task():
+    check_draws(["a#1", "a#2"], ["b#1"], "pkg.mod:Task")
+    with pytest.raises(ValueError, match="task pkg.mod:Task drew prompt id 'a' twice for one step"):
+        check_draws(["a", "b", "a"], [], "pkg.mod:Task")
+    with pytest.raises(ValueError, match="drew prompt id 'b#1' twice"):
+        check_draws(["b#1"], ["b#1"], "pkg.mod:Task")  # a group of the same step still in flight
