@@ -18,7 +18,7 @@ from meshrl.configs.schema import RunConfig
 from meshrl.inference.completion import Completion
 from meshrl.rollouts.chat import ChatSettings, make_chat
 from meshrl.tasks.base import Ending, Prompt, Score, Scoring, Stopping, Task, ToolResult, task_tools
-from meshrl.traces.schema import TokenSpan
+from meshrl.traces.schema import TokenSpan, TraceExample
 
 
 @dataclass
@@ -120,6 +120,27 @@ def cap_tokens(tokenizer: PreTrainedTokenizerBase, text: str, cap: int) -> str:
         keep -= 8
 
 
+def tool_share(max_tool_tokens: int, calls: int) -> int:
+    """Tokens each of a turn's `calls` results may keep: the turn's cap split between them."""
+    return max(MIN_TOOL_SHARE, max_tool_tokens // max(1, calls))
+
+
+def cap_trace(example: TraceExample, tokenizer: PreTrainedTokenizerBase, max_tool_tokens: int) -> TraceExample:
+    """A trace whose tool results are capped as an episode's are (a demonstration or an ingested
+    session then shows what the policy would see, and trains within the budget). A sampled trace
+    is left as it is: its ids are what was sampled, and its tool turns were capped then."""
+    if example.token_ids is not None:
+        return example
+    turns, share = [], tool_share(max_tool_tokens, 1)
+    for turn in example.turns:
+        if turn.role == "assistant":
+            share = tool_share(max_tool_tokens, len(turn.tool_calls or []))
+        elif turn.role == "tool":
+            turn = turn.model_copy(update={"content": cap_tokens(tokenizer, turn.content, share)})
+        turns.append(turn)
+    return example.model_copy(update={"turns": turns})
+
+
 class EpisodeFormat:
     """How an episode's turns become token ids under the policy's chat format (`rollouts.chat`),
     within `limits` (none: unbounded, for tools that drive episodes by hand).
@@ -188,7 +209,7 @@ class EpisodeFormat:
     def add_tool_results(self, rollout: Rollout, calls: list[dict[str, Any]], results: list[ToolResult]) -> list[int]:
         """Append the tool turn answering `calls`; returns its token ids (what the next turn prefills)."""
         tool_messages = []
-        share = max(MIN_TOOL_SHARE, self.limits.max_tool_tokens // len(calls)) if self.limits is not None else None
+        share = tool_share(self.limits.max_tool_tokens, len(calls)) if self.limits is not None else None
         for call, result in zip(calls, results, strict=True):
             rollout.tool_errors += result.is_error
             content = result.content if share is None else cap_tokens(self.tokenizer, result.content, share)

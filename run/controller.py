@@ -43,7 +43,7 @@ from meshrl.models.tiny import ensure_tiny
 from meshrl.rollouts.advantages import check_draws, group_advantages
 from meshrl.rollouts.batches import aux_shards, rl_shards, rollout_trace
 from meshrl.rollouts.chat import ChatSettings, make_chat
-from meshrl.rollouts.episodes import EpisodeFormat, EpisodeLimits, Rollout, fresh_rollouts, rubric_means
+from meshrl.rollouts.episodes import EpisodeFormat, EpisodeLimits, Rollout, cap_trace, fresh_rollouts, rubric_means
 from meshrl.rollouts.scheduler import FinishedGroup, GroupRequest
 from meshrl.run.evaluate import BackgroundEval
 from meshrl.run.export import export_model
@@ -319,6 +319,7 @@ class Controller:
                         example = TraceExample.model_validate_json(line)
                     except ValueError as exc:
                         raise ValueError(f"task.traces: {path}:{n}: not a trace example: {exc}") from None
+                    example = cap_trace(example, self.tokenizer, self.config.generator.max_tool_result_tokens)
                     found = trace_states(example)
                     fitting = [state for state in found if self._fits(state)]
                     if len(fitting) < len(found):
@@ -733,9 +734,12 @@ class Controller:
         steps = self.config.trainer.warm_start_steps
         if steps == 0 or self.step > 0:
             return
-        demos = self.task.demonstrations(
-            random.Random(self.config.seed + 2), steps * self.config.trainer.warm_start_batch_size
-        )
+        demos = [
+            cap_trace(demo, self.tokenizer, self.config.generator.max_tool_result_tokens)
+            for demo in self.task.demonstrations(
+                random.Random(self.config.seed + 2), steps * self.config.trainer.warm_start_batch_size
+            )
+        ]
         world = self.config.topology.trainer.size
         size = self.config.trainer.warm_start_batch_size
         cut = 0

@@ -26,12 +26,14 @@ from meshrl.rollouts.episodes import (
     EpisodeLimits,
     Rollout,
     cap_tokens,
+    cap_trace,
     fresh_rollouts,
 )
 from meshrl.rollouts.scheduler import EpisodeScheduler, FinishedGroup, GroupRequest, Sampling
 from meshrl.tasks.base import Prompt, ToolResult
 from meshrl.tasks.poll import PollTask
 from meshrl.traces.collator import TraceCollator
+from meshrl.traces.schema import ToolCall, TraceExample, Turn
 from meshrl.trainer.core import TrainerCore
 
 
@@ -287,6 +289,24 @@ def test_a_capped_tool_result_stays_as_it_is_when_capped_again(poll_model, cap):
         assert len(tokenizer.encode(once, add_special_tokens=False)) <= cap
         assert cap_tokens(tokenizer, once, cap) == once
         assert (once == text) == (len(tokenizer.encode(text, add_special_tokens=False)) <= cap)
+
+
+def test_a_trace_s_tool_results_are_capped_as_an_episode_s(poll_model):
+    """A demonstration or an ingested session shows the policy what an episode would: each tool
+    turn within the cap, split between the calls it answers; a sampled trace keeps its ids."""
+    tokenizer = AutoTokenizer.from_pretrained(poll_model)
+    flood = random.Random(1).randbytes(20_000).hex()
+    calls = [ToolCall(id=f"c{i}", name="poll", arguments={"ticket": "a"}) for i in range(2)]
+    turns = [Turn(role="user", content="go"), Turn(role="assistant", tool_calls=calls[:1]),
+             Turn(role="tool", content=flood, tool_call_id="c0"), Turn(role="assistant", tool_calls=calls),
+             Turn(role="tool", content=flood, tool_call_id="c0"), Turn(role="tool", content="short", tool_call_id="c1"),
+             Turn(role="assistant", content="42")]  # fmt: skip
+    capped = cap_trace(TraceExample(trace_id="t", source="s", turns=turns), tokenizer, 256)
+    sizes = [len(tokenizer.encode(t.content, add_special_tokens=False)) for t in capped.turns if t.role == "tool"]
+    assert sizes[0] <= 256 and sizes[1] <= 128 and capped.turns[5].content == "short"
+    assert capped.turns[-1].content == "42" and turns[2].content == flood  # a copy: the original is kept
+    sampled = TraceExample(trace_id="t", source="s", turns=turns, token_ids=[1, 2, 3])
+    assert cap_trace(sampled, tokenizer, 256) is sampled
 
 
 def test_a_group_waits_for_the_policy_version_it_needs(tmp_path):
