@@ -76,7 +76,8 @@ def rubric_means(rollouts: list[Rollout]) -> dict[str, float]:
 # What ends an episode whose next turn would not fit its token budget (verifiers' name for it).
 PROMPT_TOO_LONG = "prompt_too_long"
 MIN_TOOL_SHARE = 64  # tokens a result keeps however many calls share a turn's tool budget
-TRUNCATION = "\n[... {cut} tokens of tool output cut: this result is capped at {cap} tokens ...]\n"
+TRUNCATION = "\n[... {cut} characters of tool output cut: this result is capped at {cap} tokens ...]\n"
+WINDOW_CHARS = 16  # characters tokenized per token a capped result keeps, at its head and its tail
 
 
 @dataclass(frozen=True)
@@ -102,19 +103,24 @@ class EpisodeLimits:
 def cap_tokens(tokenizer: PreTrainedTokenizerBase, text: str, cap: int) -> str:
     """`text` when it is at most `cap` tokens, else its head and tail around the truncation
     marker, at most `cap` tokens in all. Idempotent (a capped text is kept as it is), so a tool
-    turn capped on a worker and capped again by the verifier reads the same."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    if len(ids) <= cap:
-        return text
-    keep = cap - len(tokenizer.encode(TRUNCATION.format(cut=len(ids), cap=cap), add_special_tokens=False))
+    turn capped on a worker and capped again by the verifier reads the same. Only a window of
+    `WINDOW_CHARS` characters per token kept is tokenized at either end (each keeps half): a
+    flood of megabytes costs what its head and tail cost."""
+    window = WINDOW_CHARS * cap // 2
+    head_ids = tail_ids = []
+    if len(text) > 2 * window:
+        head_ids = tokenizer.encode(text[:window], add_special_tokens=False)
+        tail_ids = tokenizer.encode(text[-window:], add_special_tokens=False)
+    if len(head_ids) + len(tail_ids) <= cap:  # short, or tokens so long that only the whole text tells
+        head_ids = tail_ids = tokenizer.encode(text, add_special_tokens=False)
+        if len(head_ids) <= cap:
+            return text
+    keep = cap - len(tokenizer.encode(TRUNCATION.format(cut=len(text), cap=cap), add_special_tokens=False))
     while True:  # re-tokenizing decoded pieces can merge or split at the seams: shrink until it fits
         keep = max(0, keep)
-        head, tail = keep - keep // 2, keep // 2
-        capped = (
-            tokenizer.decode(ids[:head])
-            + TRUNCATION.format(cut=len(ids) - keep, cap=cap)
-            + (tokenizer.decode(ids[len(ids) - tail :]) if tail else "")
-        )
+        head = tokenizer.decode(head_ids[: keep - keep // 2])
+        tail = tokenizer.decode(tail_ids[len(tail_ids) - keep // 2 :]) if keep // 2 else ""
+        capped = head + TRUNCATION.format(cut=len(text) - len(head) - len(tail), cap=cap) + tail
         if len(tokenizer.encode(capped, add_special_tokens=False)) <= cap or keep == 0:
             return capped
         keep -= 8
