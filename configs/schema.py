@@ -593,8 +593,14 @@ class SandboxConfig(Section):
     workdir_mb: int = Field(
         64,
         ge=1,
-        description="Size of each of the call's two tmpfs, its working directory and /tmp (bwrap: /tmp is "
-        "/dev/shm): its files hold at most 2 × this.",
+        description="Bytes the call's files hold, in its working directory and /tmp together (bwrap as root: one "
+        "tmpfs; bwrap without root and docker: two tmpfs of this size each, 2 × this in all).",
+    )
+    files: int = Field(
+        4096,
+        ge=16,
+        description="Files and directories the call's tmpfs holds at once, each about 1 KiB of kernel memory no "
+        "other limit counts (bwrap as root: its inode count; bwrap without root and docker: unbounded).",
     )
     output_bytes: int = Field(65536, ge=1024, description="stdout + stderr kept; a call printing more is killed.")
 

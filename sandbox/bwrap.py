@@ -1,14 +1,19 @@
 """Bubblewrap: each call in new user, PID, network, IPC, UTS and mount namespaces, under a seccomp filter.
 
 What the program sees: a read-only root holding `/usr` (and the interpreter's prefix) read-only, a
-fresh `/proc` of its own PID namespace, a read-only minimal `/dev`, and two size-limited tmpfs:
+fresh `/proc` of its own PID namespace, a read-only minimal `/dev`, and two writable directories:
 `/work` (its working directory, empty; the program is read-only at `/run/meshrl/main.py`) and
 `/dev/shm`, which `/tmp` links to. Nothing else of the host — no `/home`, `/root`, `/etc`, run
 directory or key files — and no network interface but loopback. As root each call runs as its own
 unprivileged uid, so its process limit is its own; the namespace's processes die with the call
 (`--die-with-parent`, and the PID namespace ends with its init).
 
-Memory a call could pin beyond its processes' rlimits and its two tmpfs has no way in: the root is
+As root the two directories are two of one tmpfs that the host mounts for the call (`CallFiles`)
+with `workdir_mb` of bytes and `files` inodes: bwrap 0.8 cannot limit the inodes of its own tmpfs,
+and each costs about 1 KiB of kernel memory that no limit of the call's processes counts. Without
+root they are bwrap's tmpfs of `workdir_mb` each, and the number of files is unbounded.
+
+Memory a call could pin beyond its processes' rlimits and its tmpfs has no way in: the root is
 read-only, user namespaces are disabled (no tmpfs mounted in a nested one), and `seccomp_filter`
 refuses SysV and POSIX IPC, memory-only files, the kernel keyring, mounts and namespaces, socket
 families but AF_UNIX and larger socket buffers.
@@ -17,7 +22,9 @@ families but AF_UNIX and larger socket buffers.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
+import logging
 import os
 import shutil
 import socket
@@ -26,8 +33,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from meshrl.configs.schema import SandboxConfig
-from meshrl.sandbox.core import ENV, ProcessSandbox, SandboxUnavailable
+from meshrl.sandbox.core import ENV, ProcessSandbox, SandboxUnavailable, limit_of
 
+log = logging.getLogger(__name__)
 _MERGED = ("bin", "lib", "lib64", "sbin")  # symlinks into /usr on merged-/usr systems
 # The program lives outside the working directory, which starts empty and is the import path's
 # first entry (what the program writes there, it can import), as for `python -c`.
@@ -44,6 +52,11 @@ REFUSED = (
     "fsopen", "fsconfig", "fsmount", "fspick", "move_mount", "open_tree", "mount_setattr",
     "bpf", "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register",
 )  # fmt: skip
+# As root, where a call's tmpfs is mounted: MOUNTS/<its uid>, which its uid's lease makes the call's
+# alone (a host that died mid-call left its mount there; the uid's next call unmounts it).
+MOUNTS = Path("/run/meshrl-sandbox-files")
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_MS_NOSUID, _MS_NODEV, _MNT_DETACH = 0x2, 0x4, 0x2
 _NAMESPACES = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)  # CLONE_NEW*
 _SO_BUFFERS = (socket.SO_SNDBUF, socket.SO_RCVBUF)
 
@@ -82,6 +95,54 @@ def seccomp_filter() -> bytes:
         return out.read()
 
 
+class CallFiles:
+    """One tmpfs per call, mounted by the host (as root) with an inode limit bwrap 0.8 cannot set,
+    owned by the call's uid; `work` and `shm` of it become the call's `/work` and `/dev/shm`."""
+
+    def __init__(self, uid: int, size_mb: int, files: int, name: str | None = None) -> None:
+        self.uid, self.root = uid, MOUNTS / (name or str(uid))
+        self.options = f"size={size_mb << 20},nr_inodes={files},mode=0700,uid={uid},gid={uid}"
+
+    def __enter__(self) -> CallFiles:
+        self.root.mkdir(mode=0o700, exist_ok=True)
+        _unmount(self.root)  # what a host that died mid-call left
+        if _LIBC.mount(b"meshrl-sandbox", bytes(self.root), b"tmpfs", _MS_NOSUID | _MS_NODEV, self.options.encode()):
+            error = ctypes.get_errno()
+            raise SandboxUnavailable(f"as root each call mounts a tmpfs at {self.root}: {os.strerror(error)}")
+        try:
+            for name in ("work", "shm"):
+                (self.root / name).mkdir(mode=0o700)
+                os.chown(self.root / name, self.uid, self.uid)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Lazily: the call's mount namespace, still being torn down, may hold the tmpfs a moment longer."""
+        _unmount(self.root)
+        self.root.rmdir()
+
+
+def _can_mount() -> bool:
+    """Whether this root may mount the calls' tmpfs (root in a container without CAP_SYS_ADMIN may
+    not): if not, calls get bwrap's own tmpfs, whose number of files no limit bounds, and a warning."""
+    try:
+        MOUNTS.mkdir(exist_ok=True)
+        MOUNTS.chmod(0o711)  # whatever the umask: each call's uid passes through to its own tmpfs
+        with CallFiles(0, 1, 16, name=f"probe-{os.getpid()}"):
+            return True
+    except (OSError, SandboxUnavailable) as error:
+        log.warning("the sandbox cannot mount its calls' tmpfs under %s (%s): the number of files a call "
+                    "makes is unbounded (each holds ~1 KiB of kernel memory)", MOUNTS, error)  # fmt: skip
+        return False
+
+
+def _unmount(path: Path) -> None:
+    """Lazily unmount what is mounted at `path`; nothing mounted there (EINVAL) is no error."""
+    _LIBC.umount2(bytes(path), _MNT_DETACH)
+
+
 class BwrapSandbox(ProcessSandbox):
     def __init__(self, config: SandboxConfig) -> None:
         self.bwrap = shutil.which("bwrap")
@@ -95,21 +156,34 @@ class BwrapSandbox(ProcessSandbox):
         self.python = Path(config.python)
         prefix = self.python.resolve().parent.parent
         self.binds = ["/usr"] + ([str(prefix)] if not prefix.is_relative_to("/usr") else [])
+        self.host_tmpfs = os.geteuid() == 0 and _can_mount()
         super().__init__(config)
 
     @contextlib.contextmanager
-    def launch(self, program: Path) -> Iterator[tuple[list[str], tuple[int, ...]]]:
-        """bwrap reads the filter from a pipe of its own (a shared descriptor's offset would race)."""
-        read, write = os.pipe()
-        try:
+    def launch(self, program: Path, uid: int | None) -> Iterator[tuple[list[str], tuple[int, ...]]]:
+        """bwrap reads the filter from a pipe of its own (a shared descriptor's offset would race); as
+        root the call's tmpfs (`CallFiles`) is mounted while the block lasts."""
+        with contextlib.ExitStack() as cleanup:
+            if uid is None or not self.host_tmpfs:
+                tmpfs = ["--size", str(self.config.workdir_mb << 20), "--tmpfs"]
+                writable = [*tmpfs, "/dev/shm", *tmpfs, "/work"]
+            else:
+                root = cleanup.enter_context(CallFiles(uid, self.config.workdir_mb, self.config.files)).root
+                writable = ["--bind", str(root / "shm"), "/dev/shm", "--bind", str(root / "work"), "/work"]
+            read, write = os.pipe()
+            cleanup.callback(os.close, read)
             with open(write, "wb") as pipe:  # far below a pipe's 64 KiB buffer: never blocks
                 pipe.write(self.filter)
-            yield self._argv(program, read), (read,)
-        finally:
-            os.close(read)
+            yield self._argv(program, read, writable), (read,)
 
-    def _argv(self, program: Path, seccomp_fd: int) -> list[str]:
-        size = str(self.config.workdir_mb << 20)
+    def _limit(self, uid: int | None, status: int | None, stderr: str) -> str | None:
+        """A full tmpfs whose inodes ran out ran out of files, not of bytes: Python says the same of both."""
+        limit = limit_of(status, stderr)
+        if limit == "workdir" and uid is not None and self.host_tmpfs and os.statvfs(MOUNTS / str(uid)).f_ffree == 0:
+            return "files"
+        return limit
+
+    def _argv(self, program: Path, seccomp_fd: int, writable: list[str]) -> list[str]:
         argv = [self.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
                 "--new-session", "--cap-drop", "ALL", "--hostname", "sandbox", "--clearenv"]  # fmt: skip
         for key, value in ENV.items():
@@ -122,8 +196,7 @@ class BwrapSandbox(ProcessSandbox):
                 argv += ["--symlink", str(host.readlink()), str(host)]
             elif host.is_dir():
                 argv += ["--ro-bind", str(host), str(host)]
-        argv += ["--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
-                 "--symlink", "/dev/shm", "/tmp", "--size", size, "--tmpfs", "/work",
+        argv += ["--proc", "/proc", "--dev", "/dev", *writable, "--remount-ro", "/dev", "--symlink", "/dev/shm", "/tmp",
                  "--ro-bind", str(program), PROGRAM, "--remount-ro", "/", "--chdir", "/work",
                  "--seccomp", str(seccomp_fd), str(self.python), "-s", "-c", RUN_PROGRAM]  # fmt: skip
         return argv

@@ -152,9 +152,13 @@ class ProcessSandbox(Sandbox):
         raise NotImplementedError
 
     @contextlib.contextmanager
-    def launch(self, program: Path) -> Iterator[tuple[list[str], tuple[int, ...]]]:
-        """The call's argv and the descriptors it inherits, open until it has started."""
+    def launch(self, program: Path, uid: int | None) -> Iterator[tuple[list[str], tuple[int, ...]]]:
+        """The call's argv and the descriptors it inherits; the block lasts until its processes are gone."""
         yield self.command(program), ()
+
+    def _limit(self, uid: int | None, status: int | None, stderr: str) -> str | None:
+        """The limit a program that exited with `status` ran into, read while its `launch` block lasts."""
+        return limit_of(status, stderr)
 
     def _limits(self, uid: int | None) -> list[str]:
         c = self.config
@@ -190,14 +194,13 @@ class ProcessSandbox(Sandbox):
         raise SandboxUnavailable(f"every sandbox uid {UID_BASE}..{UID_BASE + UIDS - 1} is in use")
 
     def _run(self, slot: int, code: str) -> Run:
-        with self._uid() as uid, ProgramFile(code, uid) as program:
-            with self.launch(program.path) as (argv, fds):
-                start = time.monotonic()
-                process = subprocess.Popen(
-                    self._limits(uid) + argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE, env=ENV, process_group=0, close_fds=True, pass_fds=fds,
-                    cwd=program.directory, **({"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}),
-                )  # fmt: skip
+        with self._uid() as uid, ProgramFile(code, uid) as program, self.launch(program.path, uid) as (argv, fds):
+            start = time.monotonic()
+            process = subprocess.Popen(
+                self._limits(uid) + argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, env=ENV, process_group=0, close_fds=True, pass_fds=fds,
+                cwd=program.directory, **({"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}),
+            )  # fmt: skip
             self._started(slot, lambda: _kill(process))
             try:
                 out, err, killed_for = _read(process, start + self.config.wall_time_s, self.config.output_bytes)
@@ -205,9 +208,10 @@ class ProcessSandbox(Sandbox):
                 _kill(process)
                 if uid is not None:
                     _kill_all(uid)
-        stdout, stderr = (b.decode("utf-8", "replace") for b in (out, err))
-        status = None if killed_for else exit_status(process.returncode)
-        return Run(stdout, stderr, status, killed_for or limit_of(status, stderr), time.monotonic() - start)
+            stdout, stderr = (b.decode("utf-8", "replace") for b in (out, err))
+            status = None if killed_for else exit_status(process.returncode)
+            limit = killed_for or self._limit(uid, status, stderr)
+        return Run(stdout, stderr, status, limit, time.monotonic() - start)
 
 
 class ProgramFile:

@@ -16,12 +16,13 @@ import pyseccomp
 import pytest
 
 from meshrl.configs.schema import SandboxConfig
-from meshrl.sandbox import Run, Sandbox, SandboxUnavailable, make_sandbox
+from meshrl.sandbox import Run, Sandbox, SandboxUnavailable, bwrap, make_sandbox
 from meshrl.sandbox import core as sandbox_core
 from meshrl.sandbox.core import processes_of
 
 LIMITS = {"wall_time_s": 3.0, "cpu_time_s": 1, "memory_mb": 256, "processes": 16, "file_size_mb": 1,
-          "workdir_mb": 4, "output_bytes": 4096, "pool_size": 2}  # fmt: skip
+          "workdir_mb": 4, "files": 256, "output_bytes": 4096, "pool_size": 2}  # fmt: skip
+AS_ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="only as root does each call get a tmpfs of the host's")
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +54,88 @@ def test_dev_is_read_only_and_shared_memory_is_bounded(sandbox):
         "f = open('/dev/shm/x', 'w')\nfor _ in range(8):\n    f.write('x' * (1 << 20))\n    f.flush()"
     )
     assert run.limit in ("workdir", "file_size"), run.report()
+
+
+def unreclaimable_kib() -> int:
+    """The host's kernel memory that no pressure reclaims (inodes and dentries of a tmpfs are in it)."""
+    return next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("SUnreclaim:"))
+
+
+@AS_ROOT
+def test_a_program_that_makes_files_without_end_stops_at_the_file_limit(sandbox):
+    program = """
+import time
+made = 0
+try:
+    while made < 30_000:  # 25 MB of kernel memory without the limit
+        open(f"/work/{made}" if made % 2 else f"/tmp/{made}", "w").close()
+        made += 1
+except OSError:
+    print(made, flush=True)
+    time.sleep(0.3)  # while the host reads its kernel memory
+    raise"""
+    before, grew, done = unreclaimable_kib(), [0], threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.01):
+            grew[0] = max(grew[0], unreclaimable_kib() - before)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        run = sandbox.run_python(program)
+    finally:
+        done.set()
+        watcher.join()
+    assert run.limit == "files" and 0 < int(run.stdout) < LIMITS["files"], run.report()
+    assert grew[0] < 8 << 10, f"the host's unreclaimable kernel memory grew by {grew[0]} KiB"
+
+
+@AS_ROOT
+def test_files_in_work_and_tmp_together_stay_within_the_workdir_bound(sandbox):
+    program = """
+written = 0
+def fill(directory):
+    global written
+    for n in range(64):
+        with open(f"{directory}/{n}", "wb") as file:
+            file.write(b"x" * (256 << 10))
+        written += 256 << 10
+try:
+    fill("/work")
+except OSError:
+    pass
+try:
+    fill("/tmp")
+finally:
+    print(written)"""
+    run = sandbox.run_python(program)
+    bound = LIMITS["workdir_mb"] << 20
+    assert run.limit == "workdir" and bound // 2 <= int(run.stdout) <= bound, run.report()
+
+
+@AS_ROOT
+def test_a_calls_tmpfs_is_mounted_on_the_host_for_the_call_only():
+    """Its /work and /dev/shm are two directories of one tmpfs with the inode limit, which is gone
+    from the host when the call is, killed at the wall time or by close()."""
+    box = make_sandbox(SandboxConfig(**{**LIMITS, "wall_time_s": 0.5}))
+    uids, launch = [], box.launch
+    box.launch = lambda program, uid: uids.append(uid) or launch(program, uid)
+    run = box.run_python("import time\nprint(open('/proc/self/mountinfo').read(), flush=True)\ntime.sleep(60)")
+    assert run.limit == "wall_time", run.report()
+    mounts = {line.split()[4]: line.split() for line in run.stdout.splitlines() if line}
+    work, shm, options = mounts["/work"], mounts["/dev/shm"], mounts["/work"][-1].split(",")
+    assert work[2] == shm[2] and (work[3], shm[3]) == ("/work", "/shm"), run.report()
+    assert f"nr_inodes={LIMITS['files']}" in options and f"uid={uids[0]}" in options and "mode=700" in options
+    thread = threading.Thread(target=box.run_python, args=("while True:\n    pass",))
+    thread.start()
+    while len(uids) < 2:
+        threading.Event().wait(0.01)
+    box.close()
+    thread.join()
+    for uid in uids:
+        assert f" {bwrap.MOUNTS / str(uid)} " not in Path("/proc/self/mountinfo").read_text()
+        assert not (bwrap.MOUNTS / str(uid)).exists()
 
 
 def test_the_root_is_read_only(sandbox):
@@ -301,6 +384,23 @@ def test_a_missing_sandbox_is_refused_naming_what_to_install(monkeypatch):
         monkeypatch.setattr(sandbox_core, "LEASES", Path("/proc/meshrl-sandbox-uids"))
         with pytest.raises(SandboxUnavailable, match="/proc/meshrl-sandbox-uids"):
             make_sandbox(SandboxConfig())
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root mounts the calls' tmpfs")
+def test_a_root_that_cannot_mount_runs_calls_on_bwrap_s_tmpfs_and_says_so(monkeypatch, caplog):
+    """Root without CAP_SYS_ADMIN (a container's): the sandbox still runs, its file count unbounded, loudly."""
+    from meshrl.sandbox import bwrap
+
+    def refused(self):
+        raise SandboxUnavailable("mount: Operation not permitted")
+
+    monkeypatch.setattr(bwrap.CallFiles, "__enter__", refused)
+    with caplog.at_level(logging.WARNING):
+        box = make_sandbox(SandboxConfig(**LIMITS))
+    assert not box.host_tmpfs and "the number of files a call makes is unbounded" in caplog.text
+    run = box.run_python("open('/tmp/a', 'w').write('x'); open('b', 'w').write('y'); print(6 * 7)")
+    assert run.ok and run.stdout.strip() == "42"
+    box.close()
 
 
 def test_no_sandbox_only_when_asked_and_loudly(caplog):
