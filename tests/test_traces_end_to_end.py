@@ -143,3 +143,28 @@ def test_replay_and_sdpo_rows_from_a_rollout_hold_its_sampled_ids():
     forged = pair.model_copy(update={"rejected_token_ids": [*recovery, len(tok)]})
     with pytest.raises(ValueError, match=f"trace {pair.trace_id} turn 4: token ids outside the vocabulary"):
         collator([], pairs=[forged], rl=False)
+
+
+def test_an_ingested_session_s_flood_is_capped_and_states_past_the_budget_are_left_out(tmp_path, capsys):
+    """A session whose tool printed ~100k tokens: at load its tool results are capped as an
+    episode's, and a state whose context leaves no room for a reply is left out, the trace named."""
+    from meshrl.run.controller import Controller
+
+    session = tmp_path / "project" / f"{SESSION}.jsonl"
+    session.parent.mkdir()
+    write_session(session)
+    (example,) = ingest_claude_code([tmp_path]).examples
+    flood = random.Random(0).randbytes(60_000).hex()
+    turns = [t.model_copy(update={"content": t.content + flood}) if t.role == "tool" else t for t in example.turns]
+    traces = tmp_path / "traces.jsonl"
+    traces.write_text(example.model_copy(update={"turns": turns}).to_json() + "\n")
+    args = ["@", str(Path(__file__).parents[1] / "configs" / "local.toml"), "--output-dir", str(tmp_path / "run"),
+            "--task.traces", json.dumps([str(traces)]), "--generator.max-tool-result-tokens", "128",
+            "--trainer.micro-batch-tokens", "384"]  # fmt: skip
+    controller = Controller(load_config(args))
+    states = controller.offline_states
+    tokenizer = controller.tokenizer
+    results = [m["content"] for s in states for m in s.state_messages if m["role"] == "tool"]
+    assert results and all(len(tokenizer.encode(r, add_special_tokens=False)) <= 128 for r in results)
+    assert 0 < len(states) < len(trace_states(example))  # the last states' contexts no longer fit
+    assert f"(trace {example.trace_id}): " in capsys.readouterr().out
