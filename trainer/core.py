@@ -12,7 +12,9 @@ trainer mesh (gloo on CPU, nccl on GPU). `trainer.parallelism` picks how ranks s
 
 Precision: weights and AdamW state are float32 master copies; `model.dtype` is the compute
 dtype (autocast on one rank or DDP, FSDP2's `MixedPrecisionPolicy` with float32 gradient
-reduction). The frozen DPO reference is held in the compute dtype, sharded like the policy.
+reduction). The frozen DPO reference is float32 like the master weights, computes under the
+same autocast, is sharded like the policy, and is checkpointed and reloaded in float32 (a resume
+leaves it exactly as it was).
 """
 
 from __future__ import annotations
@@ -432,5 +434,5 @@ class TrainerCore:
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
         if self.ref_model is not None and (directory / "reference").exists():
-            reference = AutoModelForCausalLM.from_pretrained(directory / "reference", dtype=self.compute_dtype)
+            reference = AutoModelForCausalLM.from_pretrained(directory / "reference", dtype=torch.float32)
             set_model_state_dict(self.ref_model, reference.state_dict(), options=options)
