@@ -100,10 +100,12 @@ class StepRequest:
 
 @dataclass
 class Refill:
-    """A step's dynamic sampling: its groups found with all rewards equal, and the extra groups asked for."""
+    """A step's dynamic sampling: its groups found with all rewards equal, the extra groups asked
+    for, and the tied groups they replaced (out of the batch)."""
 
     uninformative: int
     extra: int
+    replaced: list[FinishedGroup] = field(default_factory=list)
 
 
 @dataclass
@@ -420,17 +422,19 @@ class Controller:
         `generator.refill_uninformative` extra groups in all. Their prompts and seeds come from a
         stream of their own, so the steps' regular prompts are those of a run without refills."""
         budget = self.config.generator.refill_uninformative
-        uninformative = first = sum(_uninformative(group) for group in request.groups)
-        extra = 0
-        while budget and uninformative and extra < budget:
-            groups = self._groups(step, min(uninformative, budget - extra), self.refill_rng, self.refill_rng)
+        tied = [group for group in request.groups if _uninformative(group)]
+        first, extra, replaced = len(tied), 0, []
+        while budget and tied and extra < budget:
+            groups = self._groups(step, min(len(tied), budget - extra), self.refill_rng, self.refill_rng)
             extra += len(groups)
             self.requests[step] = StepRequest([group.key for group in groups], request.streams_before)
             self._deal(step, groups)
             added = self._gather(step).groups
-            request.groups += added
-            uninformative = sum(_uninformative(group) for group in added)
-        return Refill(uninformative=first, extra=extra)
+            # as in DAPO, a replaced group leaves the batch (and the loss normaliser) for the one that came back
+            replaced += tied[: len(added)]
+            request.groups = [g for g in request.groups if all(g is not r for r in replaced)] + added
+            tied = tied[len(added) :] + [group for group in added if _uninformative(group)]
+        return Refill(uninformative=first, extra=extra, replaced=replaced)
 
     def _poll_ingress(self, step: int) -> None:
         """Take the verified outside groups; what the ingress gives back (offers of this step
@@ -802,6 +806,11 @@ class Controller:
                 "step": self.step - 1,
                 "policy_version": self.step,
                 "reward/mean": sum(r.reward for r in fresh) / max(1, len(fresh)),
+                **(
+                    _sampled_reward(fresh, refill, self.step - 1, cfg.generator.max_off_policy_steps)
+                    if cfg.generator.refill_uninformative
+                    else {}
+                ),  # fmt: skip
                 **rubric_means(fresh),
                 "rollouts": len(fresh),
                 "dropped_stale": self.dropped_stale,
@@ -840,6 +849,14 @@ class Controller:
                 self.save()
             self.run.append_timeline({"step": self.step - 1, "spans": self.timeline})
         self.commit_checkpoint(wait=True)
+
+
+def _sampled_reward(fresh: list[Rollout], refill: Refill, step: int, max_off_policy_steps: int) -> dict[str, float]:
+    """`reward/sampled`: the mean over every fresh rollout sampled for the step, the tied groups
+    dynamic sampling replaced included (`reward/mean` covers the trained batch only)."""
+    replaced = fresh_rollouts([r for g in refill.replaced for r in g.rollouts], step, max_off_policy_steps)
+    every = fresh + replaced
+    return {"reward/sampled": sum(r.reward for r in every) / max(1, len(every))}
 
 
 def _uninformative(group: FinishedGroup) -> bool:

@@ -13,7 +13,10 @@ METRICS: dict[str, dict[str, str]] = {
         "policy_version": "Policy version this step produced (step + 1); the generators load it next.",
     },
     "Reward and rollouts": {
-        "reward/mean": "Mean reward of the step's fresh (trained-on) rollouts, outside workers' and refills' included.",
+        "reward/mean": "Mean reward of the step's fresh (trained-on) rollouts, outside workers' and refills' included; "
+        "tied groups that dynamic sampling replaced are out of the batch and out of this mean.",
+        "reward/sampled": "With generator.refill_uninformative: mean reward of every fresh rollout sampled for the "
+        "step, the replaced tied groups included (the policy's reward, where reward/mean is the batch's).",
         "rollouts": "Fresh rollouts the step used (after stale ones were dropped; refill groups included).",
         "rollouts/cut_off": "Fresh rollouts cut off (finish reason length): their last turn hit generator.max_new_tokens, "
         "or their next turn would not have fit the episode token budget.",
@@ -31,7 +34,8 @@ METRICS: dict[str, dict[str, str]] = {
         "staleness/max": "Largest token staleness of the step, in policy versions.",
         "replay_pairs": "DPO pairs mined from teacher answers since the previous step.",
         "groups/uninformative": "The step's own groups whose rewards were all equal (advantage 0).",
-        "groups/refilled": "Extra groups asked for to replace uninformative ones (generator.refill_uninformative).",
+        "groups/refilled": "Extra groups asked for to replace uninformative ones (generator.refill_uninformative); "
+        "each one that comes back takes a tied group's place in the batch, as in DAPO.",
         "rubric/<component>": "Mean of one reward term of the task's rubric (scoring tasks: verifiers, HumanEval).",
         "task_metric/<metric>": "Mean of an observation the task logs beside its reward (scoring tasks).",
     },

@@ -80,10 +80,12 @@ def test_run_killed_after_a_checkpoint_resumes_evaluates_and_refuses_a_rerun(tmp
     assert any(r.get("loss/replay", 0) != 0 for r in metrics)  # the oracle teachers' pairs arrive a step later
     # max_async_level 1: step n trains on tokens of policy n-1 (or n, where its weights landed mid-episode)
     assert all(r["staleness/max"] <= 1 for r in metrics) and 0 < metrics[1]["staleness"] <= 1
-    # Dynamic sampling: a step with all-equal groups asked for fresh ones (up to REFILL), and trained on them.
+    # Dynamic sampling: a step with all-equal groups asked for fresh ones (up to REFILL), and trained on
+    # them in their place (as in DAPO: a replaced group leaves the batch and the loss normaliser).
     for r in metrics:
         assert r["groups/refilled"] <= REFILL and (r["groups/refilled"] > 0) == (r["groups/uninformative"] > 0)
-        assert r["rollouts"] == (2 + r["groups/refilled"]) * 2  # 2 prompts a step, 2 samples each
+        assert r["rollouts"] == 2 * 2  # 2 prompts a step, 2 samples each, whatever was replaced
+        assert "reward/sampled" in r  # the policy's reward, replaced groups included
     assert any(r["groups/refilled"] for r in metrics)
 
     actors = json.loads((out / "topology.json").read_text())["actors"]
