@@ -73,6 +73,9 @@ def rl_loss_fn(config: LossConfig) -> Callable[[LossInputs], LossOutputs]:
     raise TypeError(f"unknown loss config {type(config).__name__}")
 
 
+PEAK = "_max"  # a metric named so is a largest value: reduced by max, over samples, micro-batches and ranks
+
+
 def _forward_kwargs(batch: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
     return {k: batch[prefix + k] for k in ("attention_mask", "position_ids") if prefix + k in batch}
 
@@ -104,9 +107,11 @@ def _rl_channel(
     )
     total = logprobs.sum() * 0.0  # keeps a graph even when every sample is empty
     per_metric: dict[str, list[Tensor]] = {}
+    tokens: list[Tensor] = []
     for row, start, end in sample_spans(batch):
         if not loss_mask[row, start:end].any():
             continue
+        tokens.append(loss_mask[row, start:end].sum().float())
         take = lambda key: batch[key][row, start:end] if key in batch else None  # noqa: E731, B023 - called within this iteration only
         out = fn(
             LossInputs(
@@ -122,7 +127,15 @@ def _rl_channel(
         for name, value in out.metrics.items():
             per_metric.setdefault(name, []).append(value.detach().float())
     count = loss_mask.sum() if token_count is None else token_count
-    metrics = {name: torch.stack(values).mean() for name, values in per_metric.items()}
+    # A sample's metrics are means over its tokens: the micro-batch's are over all its tokens (a
+    # 2-token sample fully capped beside a 98-token one not capped is 2% capped, not 50%).
+    weights = torch.stack(tokens) if tokens else torch.zeros(0)
+    metrics = {
+        name: torch.stack(values).max()
+        if name.endswith(PEAK)
+        else (torch.stack(values) * weights).sum() / weights.sum()
+        for name, values in per_metric.items()
+    }
     return total / torch.clamp_min(torch.as_tensor(count, dtype=total.dtype), 1), metrics
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -64,6 +65,22 @@ def test_rl_channel_is_sum_of_prime_rl_losses_over_token_count(tiny_lm):
     assert out.loss.item() == pytest.approx(out.metrics["loss/rl"].item())
     assert {"is_masked", "masked_mismatch_kl", "unmasked_mismatch_kl", "loss/total"} <= set(out.metrics)
     assert "loss/replay" not in out.metrics and "loss/sdpo" not in out.metrics
+
+
+def test_rl_metrics_are_means_over_tokens_not_over_samples(tiny_lm):
+    """A 2-token sample fully capped beside a 98-token one with nothing capped is 2% capped, not 50%."""
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for length, prompt, shift in [(4, 2, 2.0), (100, 2, 0.0)]:  # shift: how far the sampler was below the policy
+        ids = torch.randint(0, V, (length,), generator=g)
+        mask = torch.zeros(length, dtype=torch.bool)
+        mask[prompt:] = True
+        lp = _model_logprobs(tiny_lm, ids[None])[0].detach()
+        samples.append({"input_ids": ids, "loss_mask": mask, "advantages": torch.ones(length),
+                        "inference_logprobs": (lp - shift) * mask})  # fmt: skip
+    out = compose_loss(tiny_lm, _packed(samples), load_config(["--loss.type", "tis", "--loss.cap", "2"]).loss)
+    assert out.metrics["tis/capped"].item() == pytest.approx(2 / 100)
+    assert out.metrics["tis/ratio_max"].item() == pytest.approx(math.exp(2.0), rel=1e-4)  # a largest value: the max
 
 
 def test_packed_rows_equal_padded_rows(tiny_lm):

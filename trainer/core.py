@@ -43,6 +43,7 @@ from transformers import AutoModelForCausalLM
 
 from meshrl.configs.schema import RefKlLoss, RunConfig
 from meshrl.loss_adapters.compose import (
+    PEAK,
     REPLAY_KEYS,
     compose_loss,
     reference_logprobs,
@@ -124,6 +125,39 @@ def grad_buckets(grads: list[torch.Tensor], cap_bytes: int) -> list[list[torch.T
         buckets[-1].append(g)
         size += nbytes
     return [b for b in buckets if b]
+
+
+class Weighted:
+    """A step's metrics as (weighted sum, weight) per name, reduced over every rank: a token
+    fraction is over all the step's tokens, not a mean of per-sample or per-rank means. A name
+    ending in `PEAK` is a largest value: the largest over every part (its weight is 0)."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, list[float]] = {}
+
+    def add(self, name: str, value: float, weight: float) -> None:
+        part = self.parts.setdefault(name, [-math.inf, 0.0] if name.endswith(PEAK) else [0.0, 0.0])
+        if name.endswith(PEAK):
+            part[0] = max(part[0], value / weight if weight else value)
+            return
+        part[0] += value
+        part[1] += weight
+
+    def reduced(self, world: int) -> dict[str, float]:
+        """Σ value / Σ weight over the ranks (a collective: every rank calls it once a step)."""
+        gathered = [self.parts]
+        if world > 1:
+            gathered = [{} for _ in range(world)]
+            dist.all_gather_object(gathered, self.parts)
+        total = Weighted()
+        for parts in gathered:
+            for name, (value, weight) in parts.items():
+                total.add(name, value, weight)
+        return {
+            name: value if name.endswith(PEAK) else value / weight
+            for name, (value, weight) in total.parts.items()
+            if weight or name.endswith(PEAK)
+        }
 
 
 def _aux_count(channel: str, batch: dict[str, Any]) -> int:
@@ -285,17 +319,18 @@ class TrainerCore:
         """
         if self.config.trainer.diloco.replica_id is not None and self.islands is None:
             self._join_islands()
-        sums: dict[str, float] = {}
-        counts: dict[str, int] = {}
+        weighted = Weighted()
         for batch, weight in self._passes(rl_shards, rank):
             loss, out = self._loss(batch, max(1, rl_tokens) / self.world)
             (loss * weight).backward()
-            for name, value in out.items() if weight else ():
-                sums[name] = sums.get(name, 0.0) + float(value)
-                counts[name] = counts.get(name, 0) + 1
-        metrics = {name: sums[name] / counts[name] for name in sums}
-        if rl_shards[rank]:
-            metrics["loss/rl"] = sums.get("loss/rl", 0.0)  # micro-batch parts add up to the step's loss
+            if weight:
+                weighted.add("loss/rl", float(out.pop("loss/rl")), 0.0)  # the rank's loss: its parts' sum
+                tokens = float(batch["loss_mask"].sum())  # the RL metrics are token means: weigh by tokens
+                for name, value in out.items():
+                    if name != "loss/total":
+                        weighted.add(name, float(value) * tokens, tokens)
+        if any(rl_shards):
+            weighted.add("loss/rl", 0.0, 1.0)  # the step's loss: the ranks' mean (DDP averages their gradients)
         for channel in self._aux_channels():
             parts = [{k: v for k, v in (a or {}).items() if k.startswith(channel)} for a in aux_shards]
             shards = [[part] if part else [] for part in parts]
@@ -307,8 +342,12 @@ class TrainerCore:
             for batch, weight in self._passes(shards, rank):
                 loss, out = self._loss(batch)
                 (loss * weight * share).backward()
-                if weight:
-                    metrics.update({k: float(v) for k, v in out.items() if k != "loss/total"})
+                for name, value in out.items() if weight else ():  # means over pairs or recovery tokens
+                    if name not in ("loss/total", "sdpo/tokens"):
+                        weighted.add(name, float(value) * counts_by_rank[rank], counts_by_rank[rank])
+            if channel == "sdpo_" and sum(counts_by_rank):
+                weighted.add("sdpo/tokens", float(sum(counts_by_rank)) / self.world, 1.0 / self.world)
+        metrics = weighted.reduced(self.world)
         metrics["loss/total"] = (
             metrics.get("loss/rl", 0.0)
             + self.config.loss.replay.weight * metrics.get("loss/replay", 0.0)
