@@ -264,11 +264,16 @@ def test_replay_and_sdpo_rows_carry_the_sampled_ids(episode):
         return ids[mask].tolist(), ids[(body == 1) & mask].tolist()
 
     rejected, rejected_ids = row("dpo_rejected")
-    assert rejected == wrong.prompt_token_ids + wrong.student_token_ids and rejected_ids == wrong.student_token_ids
+    assert rejected == wrong.prompt_token_ids + wrong.student_token_ids
     chosen_row, chosen_ids = row("dpo_chosen")
-    assert chosen_row[: len(wrong.prompt_token_ids)] == wrong.prompt_token_ids
+    # The rows differ in the action alone: a thinking family's sampled reasoning is context of both.
+    context = len(rejected) - len(rejected_ids)
+    assert chosen_row[:context] == rejected[:context] and rejected_ids == wrong.student_token_ids[-len(rejected_ids) :]
+    thinks = "</think>" in tok.decode(wrong.student_token_ids)
+    assert (context > len(wrong.prompt_token_ids)) == thinks, name
+    assert "think>" not in tok.decode(chosen_ids) + tok.decode(rejected_ids)  # no reasoning in either
     assert f'"ticket": "{TICKET}"' in tok.decode(chosen_ids) and chosen_ids[-1] in episodes.stop_ids
-    answer = episodes.chat.parse(wrong.prompt_token_ids, chosen_ids)  # the chosen reply reads as the teachers' answer
+    answer = episodes.chat.parse(chosen_row[:context], chosen_ids)  # the chosen reply reads as the teachers' answer
     assert [c["function"] for c in answer["tool_calls"]] == [{"name": "poll", "arguments": {"ticket": TICKET}}]
     student = batch["sdpo_student_input_ids"][0][batch["sdpo_student_attention_mask"][0].bool()].tolist()
     assert student == recovery.prompt_token_ids + recovery.student_token_ids

@@ -46,6 +46,7 @@ class SampledFormat(Protocol):
 
 
 IGNORE = -100
+THINK_END = "</think>"
 _PROBE_USER, _PROBE_REPLY = "meshrl probe question", "meshrl probe reply 7f3a"
 
 
@@ -167,6 +168,17 @@ class TraceCollator:
     @property
     def footer(self) -> str:
         return self.turn_markers[1]
+
+    @cached_property
+    def think_end(self) -> int | None:
+        """The id of `</think>` where the vocabulary has it as one token (thinking families)."""
+        ids = self.tokenizer.encode(THINK_END, add_special_tokens=False)
+        return ids[0] if len(ids) == 1 else None
+
+    def reasoning_end(self, ids: np.ndarray) -> int:
+        """Where a sampled turn's reasoning ends: just after its first `</think>` (0: it has none)."""
+        found = np.flatnonzero(ids == self.think_end) if self.think_end is not None else ()
+        return int(found[0]) + 1 if len(found) else 0
 
     def assistant_spans(self, messages: list[dict[str, Any]], text: str) -> list[tuple[int, int]] | None:
         """Character spans of every assistant turn (content, tool calls, end marker) in `text`.
@@ -367,7 +379,11 @@ class TraceCollator:
 
         A pair whose student turn was sampled keeps its exact ids: the rejected row is the ids
         before the turn and the ids it sampled; the chosen row is the same ids before it and the
-        teachers' answer as the policy's chat format renders it. Other pairs are rendered whole."""
+        teachers' answer as the policy's chat format renders it. The pair contrasts actions only:
+        where the student reasoned first (`<think>…</think>`), its sampled reasoning is context of
+        both rows, and the teachers' answer follows it in place of the empty think block a chat
+        format renders for an answer without reasoning; else every pair would raise empty reasoning
+        and lower the policy's own. Other pairs are rendered whole."""
         texts, spans, rows = [], [], []
         for pair in pairs:
             pair = pair if isinstance(pair, Mapping) else pair.model_dump()
@@ -375,10 +391,13 @@ class TraceCollator:
             if pair.get("rejected_token_ids") is not None:  # the student's turn is rendered by no one
                 where = f"{pair['trace_id']} turn {pair['turn_index']}"
                 before = self._checked(pair["prompt_token_ids"], where)
+                sampled = self._checked(pair["rejected_token_ids"], where)
                 chosen_ids = self.reply_ids(state, pair["chosen"])
-                rows.append(
-                    (_then(before, chosen_ids), _then(before, self._checked(pair["rejected_token_ids"], where)))
-                )
+                thought = self.reasoning_end(sampled)
+                if thought:
+                    before, sampled = np.concatenate([before, sampled[:thought]]), sampled[thought:]
+                    chosen_ids = chosen_ids[self.reasoning_end(chosen_ids) :]
+                rows.append((_then(before, chosen_ids), _then(before, sampled)))
                 continue
             rows.append(None)
             prompt = self.render(state, generation_prompt=True)
