@@ -17,7 +17,7 @@ from meshrl.models.tiny import build_tokenizer
 from meshrl.rollouts.episodes import EpisodeFormat
 from meshrl.sandbox import SandboxUnavailable
 from meshrl.tasks.base import Ending
-from meshrl.tasks.humaneval import HumanEvalTask, Refused, bounded, program, record
+from meshrl.tasks.humaneval import HumanEvalTask, Refused, bounded, claimed_results, program, record, replay
 
 FIRST = "HumanEval/0"
 
@@ -34,6 +34,17 @@ def answered(task: HumanEvalTask, task_id: str, answer: str) -> float:
     return task.score(prompt, [*prompt.messages, {"role": "assistant", "content": answer}], Ending("agent_completed", "stop")).reward  # fmt: skip
 
 
+def _diagnosis(task: HumanEvalTask, task_id: str) -> str:
+    """How a canonical solution's scoring goes when run again, step by step (for a failure's report)."""
+    problem, recording = task.problems[task_id], task.recording(task_id)
+    run = task.sandbox.run_python(
+        program(task.source(task_id, problem["canonical_solution"]), problem["entry_point"], recording)
+    )
+    results = claimed_results(run, len(recording.calls))
+    passes = results is not None and replay(problem, recording, results)
+    return f"again: parsed {results is not None}, passes {passes}; {run.report()[:1500]}"
+
+
 def test_every_canonical_solution_passes_and_a_wrong_answer_fails(task):
     def check(task_id: str) -> tuple[float, float]:
         problem = task.problems[task_id]
@@ -44,7 +55,8 @@ def test_every_canonical_solution_passes_and_a_wrong_answer_fails(task):
     with ThreadPoolExecutor(4) as pool:
         results = dict(zip(task.problems, pool.map(check, task.problems)))
     assert len(results) == 164
-    assert [k for k, (body, _) in results.items() if body != 1.0] == []
+    failed = [k for k, (body, _) in results.items() if body != 1.0]
+    assert failed == [], {k: _diagnosis(task, k) for k in failed}
     assert [k for k, (_, wrong) in results.items() if wrong != 0.0] == []
     whole = task.problems[FIRST]
     assert answered(task, FIRST, whole["prompt"] + whole["canonical_solution"]) == 1.0  # a complete function too
