@@ -99,6 +99,10 @@ class EpisodeLimits:
         budget = min(g.max_concurrent_tokens, config.trainer.micro_batch_tokens)
         return cls(budget, g.max_new_tokens, g.max_tool_result_tokens)
 
+    def room_for_a_turn(self, context: int) -> bool:
+        """Whether a turn of `max_new_tokens` still fits after `context` tokens."""
+        return context + self.max_new_tokens <= self.max_tokens
+
 
 def cap_tokens(tokenizer: PreTrainedTokenizerBase, text: str, cap: int) -> str:
     """`text` when it is at most `cap` tokens, else its head and tail around the truncation
@@ -172,7 +176,7 @@ class EpisodeFormat:
         """A rollout holding the templated prompt, ready for its first assistant turn. A prompt
         that leaves no room for one turn is the task's or the config's error, named here."""
         ids = self.chat.prompt_ids(prompt.messages)
-        if self.limits is not None and len(ids) + self.limits.max_new_tokens > self.limits.max_tokens:
+        if self.limits is not None and not self.limits.room_for_a_turn(len(ids)):
             raise ValueError(
                 f"prompt {prompt.prompt_id} renders to {len(ids)} tokens: with generator.max_new_tokens "
                 f"{self.limits.max_new_tokens} it does not fit an episode's {self.limits.max_tokens} tokens "
@@ -203,7 +207,7 @@ class EpisodeFormat:
             rollout.stop_condition = "max_turns"
         elif isinstance(self.task, Stopping) and (stop := self.task.stops(rollout.prompt, rollout.messages)):
             rollout.stop_condition = stop
-        elif self.limits is not None and len(rollout.token_ids) + self.limits.max_new_tokens > self.limits.max_tokens:
+        elif self.limits is not None and not self.limits.room_for_a_turn(len(rollout.token_ids)):
             rollout.stop_condition, rollout.finish_reason = PROMPT_TOO_LONG, "length"
         else:
             return True

@@ -332,9 +332,8 @@ class Controller:
         return states
 
     def _fits(self, state: ReplayState) -> bool:
-        """Whether a state's context plus one turn fits a trainer micro-batch."""
-        text = self.collator.render([to_message(m) for m in state.state_messages], generation_prompt=True)
-        context = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        """Whether a state's context, as the policy's prompt, plus one turn fits a trainer micro-batch."""
+        context = len(self.collator.prompt_ids([to_message(m) for m in state.state_messages]))
         return context + self.config.generator.max_new_tokens <= self.config.trainer.micro_batch_tokens
 
     def _streams(self) -> dict[str, Any]:

@@ -228,14 +228,18 @@ def test_the_token_cap_evicts_idle_caches_and_refuses_an_episode_that_cannot_fit
         recorded = torch.tensor([lp for lp, m in zip(r.logprobs, r.loss_mask) if m])
         torch.testing.assert_close(full_forward_logprobs(model, r), recorded, atol=2e-4, rtol=0)
 
-    tight = scheduler(poll_model, task, max_tokens=45)
+    assert_fails_to_fit(scheduler(poll_model, task, max_tokens=45), prompts[0], "max_concurrent_tokens 45")
+
+
+def assert_fails_to_fit(sched: EpisodeScheduler, prompt: Prompt, match: str) -> None:
+    """The scheduler fails on an episode that outgrows its token cap (and is closed after)."""
     try:
-        tight.submit([GroupRequest("g", prompts[0], 1, seed=0)])
-        with pytest.raises(RuntimeError, match="does not fit generator.max_concurrent_tokens 45"):
+        sched.submit([GroupRequest("g", prompt, 1, seed=0)])
+        with pytest.raises(RuntimeError, match=f"does not fit generator.{match}"):
             for _ in range(100):
-                tight.take(0.5)
+                sched.take(0.5)
     finally:
-        tight.close()
+        sched.close()
 
 
 class FloodingPollTask(PollTask):
@@ -269,14 +273,7 @@ def test_a_flooding_tool_is_capped_and_an_episode_past_its_budget_ends_cut_off(p
     assert ended and all(r.finish_reason == "length" for r in ended)
     assert all(max(i for i, m in enumerate(r.loss_mask) if m) < 600 for r in rollouts)  # every sampled token fits
 
-    unbounded = scheduler(poll_model, task, max_tokens=4096)
-    try:
-        unbounded.submit([GroupRequest("g", prompts[0], 1, seed=0)])
-        with pytest.raises(RuntimeError, match="does not fit generator.max_concurrent_tokens"):
-            for _ in range(100):
-                unbounded.take(0.5)
-    finally:
-        unbounded.close()
+    assert_fails_to_fit(scheduler(poll_model, task, max_tokens=4096), prompts[0], "max_concurrent_tokens")
 
 
 @pytest.mark.parametrize("cap", [64, 100, 257])

@@ -317,7 +317,7 @@ class TraceCollator:
                 sampled = ex.sampled_ids(turn)
                 if sampled is not None:
                     before, ids = (self._checked(part, ex.trace_id) for part in sampled)
-                    exact.append((_then(before, ids), _then(self._prompt_ids(hinted), ids)))
+                    exact.append((_then(before, ids), _then(self.prompt_ids(hinted), ids)))
                     continue
                 students.append(messages[: k + 1])
                 teachers.append([*hinted, messages[k]])
@@ -348,7 +348,7 @@ class TraceCollator:
             raise ValueError(f"trace {where}: token ids outside the vocabulary of {len(self.tokenizer)}")
         return out
 
-    def _prompt_ids(self, messages: list[dict[str, Any]]) -> np.ndarray:
+    def prompt_ids(self, messages: list[dict[str, Any]]) -> np.ndarray:
         """`messages` as the policy's prompt for the next assistant turn."""
         if self.sampled_format is not None:
             return np.asarray(self.sampled_format.prompt_ids(messages), dtype=np.int64)

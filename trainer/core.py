@@ -128,23 +128,23 @@ def grad_buckets(grads: list[torch.Tensor], cap_bytes: int) -> list[list[torch.T
 
 
 class Weighted:
-    """A step's metrics as (weighted sum, weight) per name, reduced over every rank: a token
-    fraction is over all the step's tokens, not a mean of per-sample or per-rank means. A name
-    ending in `PEAK` is a largest value: the largest over every part (its weight is 0)."""
+    """A step's metrics, each a mean over some items (tokens, pairs, ranks) and their count,
+    reduced over every rank: a token fraction is over all the step's tokens, not a mean of
+    per-sample or per-rank means. A name ending in `PEAK` is a largest value: the largest of all."""
 
     def __init__(self) -> None:
-        self.parts: dict[str, list[float]] = {}
+        self.parts: dict[str, list[float]] = {}  # name -> [Σ mean × weight (PEAK: the largest), Σ weight]
 
-    def add(self, name: str, value: float, weight: float) -> None:
-        part = self.parts.setdefault(name, [-math.inf, 0.0] if name.endswith(PEAK) else [0.0, 0.0])
-        if name.endswith(PEAK):
-            part[0] = max(part[0], value / weight if weight else value)
-            return
-        part[0] += value
+    def add(self, name: str, mean: float, weight: float) -> None:
+        self._merge(name, mean if name.endswith(PEAK) else mean * weight, weight)
+
+    def _merge(self, name: str, value: float, weight: float) -> None:
+        part = self.parts.setdefault(name, [-math.inf if name.endswith(PEAK) else 0.0, 0.0])
+        part[0] = max(part[0], value) if name.endswith(PEAK) else part[0] + value
         part[1] += weight
 
     def reduced(self, world: int) -> dict[str, float]:
-        """Σ value / Σ weight over the ranks (a collective: every rank calls it once a step)."""
+        """Σ mean × weight / Σ weight over the ranks (a collective: every rank calls it once a step)."""
         gathered = [self.parts]
         if world > 1:
             gathered = [{} for _ in range(world)]
@@ -152,11 +152,11 @@ class Weighted:
         total = Weighted()
         for parts in gathered:
             for name, (value, weight) in parts.items():
-                total.add(name, value, weight)
+                total._merge(name, value, weight)
         return {
             name: value if name.endswith(PEAK) else value / weight
             for name, (value, weight) in total.parts.items()
-            if weight or name.endswith(PEAK)
+            if weight
         }
 
 
@@ -319,18 +319,18 @@ class TrainerCore:
         """
         if self.config.trainer.diloco.replica_id is not None and self.islands is None:
             self._join_islands()
-        weighted = Weighted()
+        weighted, rank_loss, sdpo_tokens = Weighted(), 0.0, 0.0
         for batch, weight in self._passes(rl_shards, rank):
             loss, out = self._loss(batch, max(1, rl_tokens) / self.world)
             (loss * weight).backward()
             if weight:
-                weighted.add("loss/rl", float(out.pop("loss/rl")), 0.0)  # the rank's loss: its parts' sum
+                rank_loss += float(out.pop("loss/rl"))  # the rank's loss: its micro-batches' parts summed
                 tokens = float(batch["loss_mask"].sum())  # the RL metrics are token means: weigh by tokens
                 for name, value in out.items():
                     if name != "loss/total":
-                        weighted.add(name, float(value) * tokens, tokens)
+                        weighted.add(name, float(value), tokens)
         if any(rl_shards):
-            weighted.add("loss/rl", 0.0, 1.0)  # the step's loss: the ranks' mean (DDP averages their gradients)
+            weighted.add("loss/rl", rank_loss, 1.0)  # the step's loss: the ranks' mean (DDP averages their gradients)
         for channel in self._aux_channels():
             parts = [{k: v for k, v in (a or {}).items() if k.startswith(channel)} for a in aux_shards]
             shards = [[part] if part else [] for part in parts]
@@ -344,10 +344,12 @@ class TrainerCore:
                 (loss * weight * share).backward()
                 for name, value in out.items() if weight else ():  # means over pairs or recovery tokens
                     if name not in ("loss/total", "sdpo/tokens"):
-                        weighted.add(name, float(value) * counts_by_rank[rank], counts_by_rank[rank])
+                        weighted.add(name, float(value), counts_by_rank[rank])
             if channel == "sdpo_" and sum(counts_by_rank):
-                weighted.add("sdpo/tokens", float(sum(counts_by_rank)) / self.world, 1.0 / self.world)
+                sdpo_tokens = float(sum(counts_by_rank))  # every rank knows every rank's count
         metrics = weighted.reduced(self.world)
+        if sdpo_tokens:
+            metrics["sdpo/tokens"] = sdpo_tokens
         metrics["loss/total"] = (
             metrics.get("loss/rl", 0.0)
             + self.config.loss.replay.weight * metrics.get("loss/replay", 0.0)
