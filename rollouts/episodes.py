@@ -73,6 +73,17 @@ def rubric_means(rollouts: list[Rollout]) -> dict[str, float]:
     return {key: sum(v) / len(v) for key, v in values.items()}
 
 
+def reasoning_tokens(rollouts: list[Rollout], think_end: int) -> float:
+    """Mean sampled tokens per assistant turn through its first `think_end` (`</think>`; 0 for a turn
+    that closed none): how long a thinking policy reasons, which a loss channel can quietly train away."""
+    counts = []
+    for rollout in rollouts:
+        for span in sampled_spans(rollout.loss_mask):
+            ids = rollout.token_ids[span.start : span.end]
+            counts.append(ids.index(think_end) + 1 if think_end in ids else 0)
+    return sum(counts) / max(1, len(counts))
+
+
 # What ends an episode whose next turn would not fit its token budget (verifiers' name for it).
 PROMPT_TOO_LONG = "prompt_too_long"
 MIN_TOOL_SHARE = 64  # tokens a result keeps however many calls share a turn's tool budget

@@ -22,7 +22,7 @@ import json
 import random
 import time
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,15 @@ from meshrl.models.tiny import ensure_tiny
 from meshrl.rollouts.advantages import check_draws, group_advantages
 from meshrl.rollouts.batches import aux_shards, rl_shards, rollout_trace
 from meshrl.rollouts.chat import ChatSettings, make_chat
-from meshrl.rollouts.episodes import EpisodeFormat, EpisodeLimits, Rollout, cap_trace, fresh_rollouts, rubric_means
+from meshrl.rollouts.episodes import (
+    EpisodeFormat,
+    EpisodeLimits,
+    Rollout,
+    cap_trace,
+    fresh_rollouts,
+    reasoning_tokens,
+    rubric_means,
+)
 from meshrl.rollouts.scheduler import FinishedGroup, GroupRequest
 from meshrl.run.evaluate import BackgroundEval
 from meshrl.run.export import export_model
@@ -95,7 +103,18 @@ class StepRequest:
 
     keys: list[str]
     streams_before: dict[str, Any]
+    asked: list[GroupRequest]  # what it asked for: a step whose rollouts were all lost asks for it again
     groups: list[FinishedGroup] = field(default_factory=list)
+
+
+@dataclass
+class StepRollouts:
+    """What a step trains on: its request (the groups that came back), its dynamic sampling, and
+    the rollouts fresh enough to train on (never empty)."""
+
+    request: StepRequest
+    refill: Refill
+    fresh: list[Rollout]
 
 
 @dataclass
@@ -361,7 +380,7 @@ class Controller:
         workers when the ingress is on)."""
         before = self._streams()
         groups = self._groups(step, self.config.task.prompts_per_step, self.data_rng, self.seed_rng)
-        self.requests[step] = StepRequest([group.key for group in groups], before)
+        self.requests[step] = StepRequest([group.key for group in groups], before, groups)
         if self.ingress is not None:  # the step's first groups are offered to outside workers
             offered, groups = (
                 groups[: self.config.ingress.groups_per_step],
@@ -415,6 +434,37 @@ class Controller:
                 self._poll_ingress(step)
         return self.requests.pop(step)
 
+    def _collect(self, step: int) -> StepRollouts:
+        """The step's groups, refilled, and their fresh rollouts. A step left with none (every
+        generator of it died, or all it got was too stale) asks for its own groups again."""
+        while True:
+            self._feed()
+            request = self._gather(step)
+            refill = self._refill(request, step)
+            rollouts = [r for group in request.groups for r in group.rollouts]
+            fresh = fresh_rollouts(rollouts, step, self.config.generator.max_off_policy_steps)
+            self.dropped_stale += len(rollouts) - len(fresh)
+            if fresh:
+                return StepRollouts(request, refill, fresh)
+            self._ask_again(request, step)
+
+    def _ask_again(self, request: StepRequest, step: int) -> None:
+        """Deal a step's own groups again (same prompts and seeds, new keys) to the mesh's
+        generators: drawing new ones would take later steps' prompts out of the streams, and a
+        checkpoint's record of the streams (the oldest request's `streams_before`) would no longer
+        say where a resumed run draws from."""
+        groups = []
+        for group in request.asked:
+            groups.append(replace(group, key=f"{step}/{self.groups_asked}"))
+            self.groups_asked += 1
+        self.requests[step] = StepRequest([group.key for group in groups], request.streams_before, groups)
+        self._deal(step, groups)
+
+    def checkpoint_streams(self) -> dict[str, Any]:
+        """The prompt streams a checkpoint records: where the oldest step still in flight drew from."""
+        oldest = min(self.requests, default=None)
+        return self.requests[oldest].streams_before if oldest is not None else self._streams()
+
     def _refill(self, request: StepRequest, step: int) -> Refill:
         """DAPO's dynamic sampling: while the step has groups whose rewards are all equal (they
         carry no advantage), ask the mesh's generators for as many fresh groups, up to
@@ -426,7 +476,7 @@ class Controller:
         while budget and tied and extra < budget:
             groups = self._groups(step, min(len(tied), budget - extra), self.refill_rng, self.refill_rng)
             extra += len(groups)
-            self.requests[step] = StepRequest([group.key for group in groups], request.streams_before)
+            self.requests[step] = StepRequest([group.key for group in groups], request.streams_before, groups)
             self._deal(step, groups)
             added = self._gather(step).groups
             # as in DAPO, a replaced group leaves the batch (and the loss normaliser) for the one that came back
@@ -680,10 +730,9 @@ class Controller:
         start = time.time()
         staging = self.run.staging(self.step)
         self.trainers.save_checkpoint.call(str(staging)).get()
-        oldest = min(self.requests, default=None)
         state = {
             "step": self.step,
-            **(self.requests[oldest].streams_before if oldest is not None else self._streams()),
+            **self.checkpoint_streams(),
             "teacher_rng": _rng_state(self.teacher_rng),
             "refill_rng": _rng_state(self.refill_rng),
             "teacher_totals": self._teacher_totals(),
@@ -764,17 +813,9 @@ class Controller:
         while self.step < cfg.max_steps:
             step_start = time.perf_counter()
             self.timeline = []
-            self._feed()
-            request = self._gather(self.step)
-            refill = self._refill(request, self.step)
+            collected = self._collect(self.step)
+            request, refill, fresh = collected.request, collected.refill, collected.fresh
             waited = time.perf_counter() - step_start
-            rollouts = [r for group in request.groups for r in group.rollouts]
-            fresh = fresh_rollouts(rollouts, self.step, cfg.generator.max_off_policy_steps)
-            self.dropped_stale += len(rollouts) - len(fresh)
-            if not fresh:  # every generator of this step died (or all was too stale): ask again
-                self._request(self.step)
-                continue
-
             advantages = group_advantages(fresh)
             rl = rl_shards(fresh, advantages, cfg.trainer.micro_batch_tokens, self.tokenizer.pad_token_id, world,
                            keep_zero_advantage=isinstance(cfg.loss, RefKlLoss),
@@ -800,6 +841,7 @@ class Controller:
                 lost, timings, teacher_stats, eval_stats = exc, {}, {}, {}
 
             sampled = [v for r in fresh for v in r.versions]
+            think_end = self.collator.think_end
             gen_seconds = max(g.finished for g in request.groups) - min(g.started for g in request.groups)
             record = {
                 "step": self.step - 1,
@@ -811,6 +853,7 @@ class Controller:
                     else {}
                 ),  # fmt: skip
                 **rubric_means(fresh),
+                **({"reasoning/tokens": reasoning_tokens(fresh, think_end)} if think_end is not None else {}),
                 "rollouts": len(fresh),
                 "dropped_stale": self.dropped_stale,
                 "lost_rollouts": self.lost_rollouts,

@@ -36,6 +36,8 @@ METRICS: dict[str, dict[str, str]] = {
         "groups/uninformative": "The step's own groups whose rewards were all equal (advantage 0).",
         "groups/refilled": "Extra groups asked for to replace uninformative ones (generator.refill_uninformative); "
         "each one that comes back takes a tied group's place in the batch, as in DAPO.",
+        "reasoning/tokens": "Thinking models (a vocabulary with `</think>` as one token): mean sampled tokens per "
+        "assistant turn through its first `</think>` (0 where a turn closed none): how long the policy reasons.",
         "rubric/<component>": "Mean of one reward term of the task's rubric (scoring tasks: verifiers, HumanEval).",
         "task_metric/<metric>": "Mean of an observation the task logs beside its reward (scoring tasks).",
     },

@@ -91,6 +91,7 @@ class ToolTask:
         max_turns: int = 3,
         recovery_rate: float = 0.3,
         guess_rate: float = 0.0,
+        think_words: int = 0,
     ) -> None:
         if not 1 <= n_keys <= 25 * key_len:
             raise ValueError(f"n_keys must be in [1, {25 * key_len}] so a misspelled key can miss the store")
@@ -102,12 +103,15 @@ class ToolTask:
             raise ValueError("recovery_rate must be in [0, 1], and recoveries need max_turns >= 3")
         if not 0.0 <= guess_rate <= 1.0:
             raise ValueError("guess_rate must be in [0, 1]")
+        if think_words < 0:
+            raise ValueError("think_words must be at least 0")
         self.n_keys = n_keys
         self.key_len = key_len
         self.value_len = value_len
         self.max_turns = max_turns
         self.recovery_rate = recovery_rate
         self.guess_rate = guess_rate
+        self.think_words = think_words
 
     def sample_prompts(self, rng: random.Random, n: int) -> list[Prompt]:
         return [self._prompt(rng) for _ in range(n)]
@@ -152,7 +156,9 @@ class ToolTask:
 
         About `guess_rate` of them answer at once with a value from memory (a shortcut real
         traces carry; usually wrong, rewarded as the rubric says), the others are correct,
-        about `recovery_rate` of those after miscopying the key and recovering.
+        about `recovery_rate` of those after miscopying the key and recovering. With `think_words`,
+        every assistant turn reasons first (1 to `think_words` words of a plan, as
+        `reasoning_content`): a thinking model's demonstrations, for chat formats that render it.
         """
         demos = []
         for prompt in self.sample_prompts(rng, n):
@@ -166,11 +172,13 @@ class ToolTask:
             for i, key in enumerate(keys):
                 call = ToolCall(id=f"call_{i}", name=LOOKUP, arguments={"key": key})
                 result = self.call_tool(prompt, call.name, call.arguments)
-                turns.append(Turn(role="assistant", tool_calls=[call]))
+                plan = f'The question asks for "{prompt.info["key"]}" so I call lookup with a key from it first'
+                turns.append(Turn(role="assistant", reasoning_content=self._thought(rng, plan), tool_calls=[call]))
                 turns.append(
                     Turn(role="tool", content=result.content, tool_call_id=call.id, is_error=result.is_error or None)
                 )
-            turns.append(Turn(role="assistant", content=prompt.answer))
+            plan = "The tool returned the value so I answer with it now and stop"
+            turns.append(Turn(role="assistant", reasoning_content=self._thought(rng, plan), content=prompt.answer))
             mark_error_sites(turns, _CLASSIFIER)  # as ingestion and rollouts mark them
             demos.append(
                 TraceExample(trace_id=prompt.prompt_id, source=SOURCE, turns=turns, final_reward=ANSWER_REWARD)
@@ -180,9 +188,14 @@ class ToolTask:
     def _guess(self, rng: random.Random, prompt: Prompt) -> TraceExample:
         guess = str(rng.randrange(10 ** (self.value_len - 1), 10**self.value_len))
         turns = [Turn(role=m["role"], content=m["content"]) for m in prompt.messages]
-        turns.append(Turn(role="assistant", content=guess))
+        thought = self._thought(rng, "I remember this store so I answer from memory at once")
+        turns.append(Turn(role="assistant", reasoning_content=thought, content=guess))
         reward = self.reward(prompt, [*prompt.messages, {"role": "assistant", "content": guess}])
         return TraceExample(trace_id=prompt.prompt_id, source=SOURCE, turns=turns, final_reward=reward)
+
+    def _thought(self, rng: random.Random, plan: str) -> str | None:
+        """The first 1 to `think_words` words of `plan` (None without `think_words`: no rng drawn)."""
+        return " ".join(plan.split()[: rng.randint(1, self.think_words)]) if self.think_words else None
 
     @staticmethod
     def _misspelled(rng: random.Random, prompt: Prompt) -> str:

@@ -279,6 +279,10 @@ def test_replay_and_sdpo_rows_carry_the_sampled_ids(episode):
     assert student == recovery.prompt_token_ids + recovery.student_token_ids
     teacher, taught = row("sdpo_teacher")
     assert taught == recovery.student_token_ids and HINT in tok.decode(teacher)
+    # SDPO's rows differ in the hint alone: both end in the same sampled turn, a thinking family's
+    # reasoning in it (distilled token by token, never traded for an empty think block).
+    assert student[-len(taught) :] == taught and HINT not in tok.decode(student)
+    assert ("</think>" in tok.decode(taught)) == ("</think>" in tok.decode(recovery.student_token_ids)) == thinks
 
 
 def test_a_template_that_cannot_carry_the_episode_is_refused_at_start_up():

@@ -6,7 +6,7 @@ import pytest
 
 from meshrl.rollouts.advantages import check_draws, group_advantages
 from meshrl.rollouts.batches import rl_shards
-from meshrl.rollouts.episodes import Rollout
+from meshrl.rollouts.episodes import Rollout, reasoning_tokens
 from meshrl.tasks.base import Prompt
 
 
@@ -66,3 +66,12 @@ def test_a_step_whose_draws_share_a_prompt_id_is_refused_naming_the_task():
         check_draws(["a", "b", "a"], [], "pkg.mod:Task")
     with pytest.raises(ValueError, match="drew prompt id 'b#1' twice"):
         check_draws(["b#1"], ["b#1"], "pkg.mod:Task")  # a group of the same step still in flight
+
+
+def test_reasoning_tokens_count_each_sampled_turn_through_its_think_end():
+    prompt = Prompt("p", [{"role": "user", "content": "q"}])
+    think_end = 9
+    # two sampled turns: one reasons for 3 tokens and closes (4 counted), one closes none (0)
+    ids, mask = [1, 5, 5, 5, think_end, 6, 7, 2, 6, 6], [False, True, True, True, True, True, False, False, True, True]
+    rollout = Rollout(prompt, [], ids, mask, [0.0] * 10, [0] * 7)
+    assert reasoning_tokens([rollout], think_end) == 2.0

@@ -315,3 +315,13 @@ def test_hermes_renders_tools_in_the_system_turn_and_results_in_one_user_turn(he
     assert len(hermes("<tool_response>", add_special_tokens=False)["input_ids"]) == 1
     no_tools = hermes.apply_chat_template(prompt.messages, tokenize=False)
     assert no_tools.startswith(f"<|im_start|>system\n{prompt.messages[0]['content']}<|im_end|>\n")
+
+
+def test_thinking_demonstrations_reason_before_every_action():
+    assert all(t.reasoning_content is None for d in ToolTask().demonstrations(random.Random(4), 50) for t in d.turns)
+    task = ToolTask(guess_rate=0.5, think_words=6)
+    demos = task.demonstrations(random.Random(4), 200)
+    replies = [t for d in demos for t in d.turns if t.role == "assistant"]
+    assert {len(t.reasoning_content.split()) for t in replies} == set(range(1, 7))  # 1 to think_words words
+    for demo, prompt in zip(demos, task.sample_prompts(random.Random(4), 200)):  # what it does is scored as before
+        assert demo.final_reward == task.reward(prompt, [to_message(t) for t in demo.turns])
