@@ -1,7 +1,8 @@
 """The main job (or any config) run many times, one after another: how many collapse, and where
 the others end.
 
-    python benchmarks/many_runs.py --runs 20 [--first-seed 0] [--same-seed] [--out /tmp/collapse/NAME] [-- ARGS...]
+    python benchmarks/many_runs.py --runs 20 [--first-seed 0] [--same-seed] [--out DIR] [-- ARGS...]
+    python benchmarks/many_runs.py --seeds 0 2 3 [--out DIR] [-- ARGS...]
 
 Each run is `meshrl train @ configs/local.toml --seed S --output-dir OUT/run_I ARGS...` in a fresh
 output directory OUT/run_I (warm start included), seeds `--first-seed` onward (`--same-seed`: every run seed
@@ -99,6 +100,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--same-seed", action="store_true", help="every run the first seed: only timing differs")
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", help="these seeds, one run each (instead of --runs from --first-seed)"
+    )
     parser.add_argument("--config", default="configs/local.toml")
     parser.add_argument("--bar", type=float, default=0.5, help="last-tenth reward under which a run collapsed")
     parser.add_argument("--out", type=Path, default=Path("/tmp/many_runs"))
@@ -106,8 +110,8 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     summaries = []
-    for i in range(args.runs):
-        seed = args.first_seed if args.same_seed else args.first_seed + i
+    seeds = args.seeds or [args.first_seed if args.same_seed else args.first_seed + i for i in range(args.runs)]
+    for i, seed in enumerate(seeds):
         run_dir = args.out / f"run_{i:03d}"
         done = run_dir / "seconds"
         seconds = float(done.read_text()) if done.exists() else run_one(run_dir, seed, args.config, args.extra)
