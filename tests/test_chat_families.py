@@ -266,9 +266,11 @@ def test_replay_and_sdpo_rows_carry_the_sampled_ids(episode):
     rejected, rejected_ids = row("dpo_rejected")
     assert rejected == wrong.prompt_token_ids + wrong.student_token_ids
     chosen_row, chosen_ids = row("dpo_chosen")
-    # The rows differ in the action alone: a thinking family's sampled reasoning is context of both.
-    context = len(rejected) - len(rejected_ids)
-    assert chosen_row[:context] == rejected[:context] and rejected_ids == wrong.student_token_ids[-len(rejected_ids) :]
+    # The rows differ in the action alone: a thinking family's sampled reasoning is context of both,
+    # and the rejected row is scored from there through its first id unlike the chosen row's.
+    context = len(chosen_row) - len(chosen_ids)
+    differs = next(i for i in range(context, len(rejected)) if i >= len(chosen_row) or chosen_row[i] != rejected[i])
+    assert chosen_row[:context] == rejected[:context] and rejected_ids == rejected[context : differs + 1]
     thinks = "</think>" in tok.decode(wrong.student_token_ids)
     assert (context > len(wrong.prompt_token_ids)) == thinks, name
     assert "think>" not in tok.decode(chosen_ids) + tok.decode(rejected_ids)  # no reasoning in either

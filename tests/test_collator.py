@@ -122,12 +122,47 @@ def test_dpo_rows_mask_the_response_after_the_generation_prompt(tok):
             "rejected": {"role": "assistant", "content": "I cannot do that."}}  # fmt: skip
     batch = TraceCollator(tok)([], pairs=[pair, pair]).batch
     prompt = tok.apply_chat_template(state, add_generation_prompt=True)["input_ids"]
+    # the chosen response whole; the rejected one through its first token unlike the chosen's
+    first = tok("I cannot do that.", add_special_tokens=False)["input_ids"][0]
     for side, text in (("chosen", '\n<tool_call>{"name": "bash", "arguments": {"cmd": "ls"}}</tool_call>'),
-                       ("rejected", "I cannot do that.")):  # fmt: skip
+                       ("rejected", tok.decode([first]))):  # fmt: skip
         ids, mask = batch[f"dpo_{side}_input_ids"][0], batch[f"dpo_{side}_response_mask"][0].bool()
         assert ids[: len(prompt)].tolist() == prompt and not mask[: len(prompt)].any()
         assert tok.decode(ids[mask], skip_special_tokens=True) == text
         assert batch[f"dpo_{side}_attention_mask"].shape == batch[f"dpo_{side}_input_ids"].shape
+    rejected = batch["dpo_rejected_input_ids"][0][batch["dpo_rejected_attention_mask"][0].bool()]
+    assert "I cannot do that." in tok.decode(rejected)  # the row holds the whole turn; the loss sees its start
+
+
+def test_a_sampled_rejected_turn_is_scored_through_its_first_token_unlike_the_teachers(tok):
+    """The student's sampled call goes wrong at the key and then rambles (ids the policy gives almost
+    no probability): the rejected row is scored from the turn's start through the wrong key, not the
+    ramble after it. A rejected turn that is a prefix of the chosen one (cut off) is scored whole."""
+    state = [{"role": "user", "content": 'Value of "k"?'}]
+    before = tok.apply_chat_template(state, add_generation_prompt=True)["input_ids"]
+    good = {"role": "assistant", "content": "", "tool_calls": [{"id": "a", "name": "lookup", "arguments": {"key": "k"}}]}
+    collator = TraceCollator(tok)
+    chosen_ids = collator.reply_ids(state, good).tolist()
+    head = tok('\n<tool_call>{"name": "lookup", "arguments": {"key": "', add_special_tokens=False)["input_ids"]
+    assert chosen_ids[: len(head)] == head and tok.decode(chosen_ids[len(head) :]).startswith("k")
+    ramble = head + tok('x"}} lookup lookup ls cd , }}</tool_call>', add_special_tokens=False)["input_ids"]
+    cut_off = chosen_ids[: len(head) + 1]  # stopped at the token limit right after the right key
+    pairs = [
+        {"trace_id": "t", "turn_index": 1, "state_messages": state, "chosen": good, "rejected": {"role": "assistant"},
+         "prompt_token_ids": before, "rejected_token_ids": sampled}
+        for sampled in (ramble, cut_off)
+    ]  # fmt: skip
+    batch = collator([], pairs=pairs).batch
+    scored = [
+        batch["dpo_rejected_input_ids"][i][batch["dpo_rejected_response_mask"][i].bool()].tolist() for i in range(2)
+    ]
+    assert scored[0] == ramble[: len(head) + 1] and tok.decode(scored[0][-1:]) == "x"
+    assert scored[1] == cut_off
+    for i, sampled in enumerate((ramble, cut_off)):  # the rows still hold every sampled id
+        row = batch["dpo_rejected_input_ids"][i][batch["dpo_rejected_attention_mask"][i].bool()].tolist()
+        assert row == before + sampled
+        chosen = batch["dpo_chosen_input_ids"][i][batch["dpo_chosen_response_mask"][i].bool()].tolist()
+        assert chosen == chosen_ids
 
 
 def test_advantages_default_to_reward_minus_batch_mean(tok):

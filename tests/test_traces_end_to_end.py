@@ -132,9 +132,13 @@ def test_replay_and_sdpo_rows_from_a_rollout_hold_its_sampled_ids():
         ids, mask = ids[ids != tok.pad_token_id].tolist(), mask[ids != tok.pad_token_id].bool().tolist()
         return [i for i, m in zip(ids, mask) if not m], [i for i, m in zip(ids, mask) if m]
 
-    assert row(batch["dpo_rejected_input_ids"][0], batch["dpo_rejected_response_mask"][0]) == (before, recovery)
     chosen_before, chosen = row(batch["dpo_chosen_input_ids"][0], batch["dpo_chosen_response_mask"][0])
     assert chosen_before == before and tok.decode(chosen).startswith("<tool_call>")  # the teachers' call, rendered
+    # the malformed call is scored through its first id unlike the teachers' call; the row holds it whole
+    differs = next(i for i, (a, b) in enumerate(zip(recovery, chosen)) if a != b)
+    rejected_ids, rejected_mask = batch["dpo_rejected_input_ids"][0], batch["dpo_rejected_response_mask"][0].bool()
+    assert rejected_ids[rejected_ids != tok.pad_token_id].tolist() == before + recovery
+    assert rejected_ids[rejected_mask].tolist() == recovery[: differs + 1]
     sdpo_mask = batch["sdpo_loss_mask"][0] == 1
     assert row(batch["sdpo_student_input_ids"][0], sdpo_mask) == (before, recovery)
     hinted, teacher_ids = row(batch["sdpo_teacher_input_ids"][0], sdpo_mask)

@@ -96,6 +96,23 @@ def _then(before: np.ndarray, ids: np.ndarray) -> Encoded:
     return Encoded(np.concatenate([before, ids]).astype(np.int64), mask)
 
 
+def _through_divergence(chosen: Encoded, rejected: Encoded) -> Encoded:
+    """The rejected row scored through its first id that differs from the chosen row's, no further.
+
+    That id is where the student took another action than the teachers; what it sampled after it is
+    a continuation in a context the chosen row never enters (a malformed call's tail, a ramble cut
+    off at the token limit), often of tokens the policy gives almost no probability. Pushing those
+    down teaches nothing about the action and, summed over a row, made the replay gradient alone
+    several times the clip norm. A rejected row that is a prefix of the chosen one keeps its mask.
+    """
+    n = min(chosen.ids.size, rejected.ids.size)
+    differs = np.flatnonzero(chosen.ids[:n] != rejected.ids[:n])
+    end = int(differs[0]) + 1 if differs.size else (n + 1 if rejected.ids.size > n else rejected.ids.size)
+    mask = rejected.mask.copy()
+    mask[end:] = False
+    return Encoded(rejected.ids, mask, rejected.logprobs)
+
+
 class TraceCollator:
     """Collate trace examples into RL/SFT, SDPO and replay-DPO tensors.
 
@@ -412,7 +429,7 @@ class TraceCollator:
                 stats.dpo_dropped += 1
                 continue
             chosen.append(c)
-            rejected.append(r)
+            rejected.append(_through_divergence(c, r))
         return chosen, rejected
 
     # ------------------------------------------------------------------ tensors
