@@ -140,7 +140,11 @@ def test_a_sampled_rejected_turn_is_scored_through_its_first_token_unlike_the_te
     ramble after it. A rejected turn that is a prefix of the chosen one (cut off) is scored whole."""
     state = [{"role": "user", "content": 'Value of "k"?'}]
     before = tok.apply_chat_template(state, add_generation_prompt=True)["input_ids"]
-    good = {"role": "assistant", "content": "", "tool_calls": [{"id": "a", "name": "lookup", "arguments": {"key": "k"}}]}
+    good = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": "a", "name": "lookup", "arguments": {"key": "k"}}],
+    }
     collator = TraceCollator(tok)
     chosen_ids = collator.reply_ids(state, good).tolist()
     head = tok('\n<tool_call>{"name": "lookup", "arguments": {"key": "', add_special_tokens=False)["input_ids"]
