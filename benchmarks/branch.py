@@ -1,23 +1,25 @@
 """One run's state, continued several times under each of several settings: what a setting does from
 exactly that state (a run about to collapse, say), with far fewer runs than whole runs need.
 
-    python benchmarks/branch.py RUN STEP --steps 20 --reps 3 --arm on --arm off:--loss.replay.weight=0
+    python benchmarks/branch.py RUN STEP --steps 20 --reps 3 --arm on --arm "off:--loss.replay.weight 0"
 
 RUN is a finished run directory holding `checkpoints/step_STEP` (run it with `--ckpt.interval 1
 --ckpt.keep-last 250` to branch from any step). Each repetition of each arm copies RUN's config,
 tiny model, teacher cache and that checkpoint into OUT/ARM_I, then resumes it for `--steps` steps:
 `meshrl train @ RUN/config.toml --output-dir OUT/ARM_I --resume --max-steps STEP+STEPS ARGS`, where
-ARGS are the arm's overrides after its colon (comma-separated). Repetitions and arms alternate, so
-the machine's load falls on each alike. A resumed run draws the same prompts and seeds; it differs
-from its siblings by the timing of its asynchronous steps, as whole runs do. Per branch it prints the
-rewards step by step, then per arm the mean over the branches from the second step on (the first is
-sampled before the branch's own first update) of reward, tool errors, `grad_norm` and the replay loss.
+ARGS are the arm's overrides after its colon (split as a shell splits them). Repetitions and arms
+alternate, so the machine's load falls on each alike. A resumed run draws the same prompts and seeds;
+it differs from its siblings by the timing of its asynchronous steps, as whole runs do. Per branch it
+prints the rewards step by step (a branch that fails is reported and left out), then per arm the mean
+over the branches from the second step on (the first was mostly sampled before the branch's own first
+update) of reward, tool errors, `grad_norm` and the replay loss.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -42,8 +44,9 @@ def branch(run: Path, step: int, steps: int, out: Path, overrides: list[str]) ->
     lines = (run / "metrics.jsonl").read_text().splitlines()
     (out / "metrics.jsonl").write_text("".join(line + "\n" for line in lines[:step]))
     command = [sys.executable, "-m", "meshrl.cli.main", "train", "@", str(run / "config.toml")]
-    command += ["--output-dir", str(out), "--resume", "--max-steps", str(step + steps), "--ckpt.interval", "1000000"]
-    with out.with_suffix(".log").open("w") as log:
+    command += ["--output-dir", str(out), "--resume", "--no-overwrite", "--max-steps", str(step + steps)]
+    command += ["--ckpt.interval", "1000000"]
+    with (out.parent / f"{out.name}.log").open("w") as log:
         subprocess.run([*command, *overrides], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [row for row in rows if row["step"] >= step]
@@ -60,17 +63,24 @@ def main() -> None:
     parser.add_argument("step", type=int)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--arm", action="append", required=True, help="NAME or NAME:--key=value,--key=value")
+    parser.add_argument("--arm", action="append", required=True, help='NAME or "NAME:--key value --key value"')
     parser.add_argument("--out", type=Path, default=Path("/tmp/branches"))
     args = parser.parse_args()
-    arms = {}
+    run, out = args.run.resolve(), args.out.resolve()  # the runs start in the repository
+    arms: dict[str, list[str]] = {}
     for spec in args.arm:
         name, _, rest = spec.partition(":")
-        arms[name] = [part for item in rest.split(",") if item for part in item.split("=", 1)]
+        if name in arms:
+            parser.error(f"arm {name!r} given twice")
+        arms[name] = shlex.split(rest)
     results: dict[str, list[list[dict]]] = {name: [] for name in arms}
     for rep in range(args.reps):
         for name, overrides in arms.items():
-            rows = branch(args.run, args.step, args.steps, args.out / f"{name}_{rep}", overrides)
+            try:
+                rows = branch(run, args.step, args.steps, out / f"{name}_{rep}", overrides)
+            except subprocess.CalledProcessError as error:
+                print(f"{name} {rep}: failed (exit {error.returncode}; see {out / f'{name}_{rep}.log'})", flush=True)
+                continue
             results[name].append(rows)
             print(f"{name} {rep}: " + " ".join(f"{row['reward/mean']:.2f}" for row in rows), flush=True)
     for name, branches in results.items():

@@ -73,16 +73,17 @@ METRICS: dict[str, dict[str, str]] = {
         "ref_kl/is_masked": "ref_kl: fraction of loss-mask tokens masked (probability fell more than mask_low).",
         "tis/capped": "tis: fraction of loss-mask tokens whose importance weight was truncated at cap.",
         "tis/ratio_mean": "tis: mean importance weight over loss-mask tokens, before truncation.",
-        "tis/ratio_max": "tis: per-sample largest importance weight, averaged over samples.",
+        "tis/ratio_max": "tis: the step's largest importance weight (over every loss-mask token of every rank).",
         "mis/masked": "mis: fraction of loss-mask tokens whose weight is outside [low, high] (no gradient).",
         "mis/masked_low": "mis: fraction with a weight below low.",
         "mis/masked_high": "mis: fraction with a weight above high.",
         "mis/ratio_mean": "mis: mean importance weight over loss-mask tokens.",
-        "mis/ratio_max": "mis: per-sample largest importance weight, averaged over samples.",
+        "mis/ratio_max": "mis: the step's largest importance weight (over every loss-mask token of every rank).",
         "mismatch_kl": "tis / mis: trainer-vs-sampler KL (nats) over all loss-mask tokens.",
-        "sdpo/tokens": "Recovery tokens in trainer rank 0's SDPO rows.",
-        "replay/<stat>": "Replay channel on rank 0's pairs: implicit rewards of chosen and rejected, "
-        "their margin, accuracy and the chosen NLL.",
+        "sdpo/tokens": "Recovery tokens in the step's SDPO rows, over every trainer rank.",
+        "replay/<stat>": "Replay channel, means over the step's pairs on every rank: implicit rewards of "
+        "chosen and rejected (the rejected row scored through its first id unlike the chosen's), their "
+        "margin, accuracy and the chosen NLL.",
     },
     "Collation": {
         "collate/truncated": "Trace rows the collator cut to its max_seq_len.",

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from meshrl.models.tiny import build_tokenizer
-from meshrl.traces.collator import TraceCollator, to_message
+from meshrl.rollouts.packing import Encoded
+from meshrl.traces.collator import TraceCollator, _through_divergence, to_message
 from meshrl.traces.schema import TraceExample
 
 
@@ -252,3 +254,21 @@ def test_tokenizer_without_template_is_refused(tok):
     bare.chat_template = None
     with pytest.raises(ValueError, match="chat template"):
         TraceCollator(bare)
+
+
+@pytest.mark.parametrize(
+    ("chosen", "rejected", "mask_from", "scored"),
+    [
+        ([1, 2, 3, 4, 5], [1, 2, 3, 9, 9, 9], 2, [3, 9]),  # differs at the 4th id: scored through it
+        ([1, 2, 3, 4, 5], [1, 2, 3], 2, [3]),  # a prefix of the chosen row (cut off): whole
+        ([1, 2, 3], [1, 2, 3, 7, 8], 2, [3, 7]),  # the chosen row ends first: through the first id past it
+        ([1, 2, 3], [1, 2, 3], 2, [3]),  # identical rows: whole
+        ([1, 5, 3, 4], [1, 6, 3, 9], 2, [3]),  # differs before the response: its first id kept
+    ],
+)
+def test_the_rejected_row_is_scored_through_its_first_id_unlike_the_chosen_row(chosen, rejected, mask_from, scored):
+    def row(ids: list[int]) -> Encoded:
+        return Encoded(np.array(ids), np.arange(len(ids)) >= mask_from)
+
+    out = _through_divergence(row(chosen), row(rejected))
+    assert out.ids.tolist() == rejected and out.ids[out.mask].tolist() == scored

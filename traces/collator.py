@@ -14,9 +14,10 @@ rewrites content so that search fails, the trace falls back to exact incremental
 (prefix by prefix).
 
 Truncation: a sequence longer than `max_seq_len` keeps its first `max_seq_len` tokens (the
-prompt and earliest turns) and is counted in `truncated`; an SDPO or DPO row whose masked
-span would be cut is dropped and counted instead, since half a recovery turn or response
-teaches the wrong thing.
+prompt and earliest turns) and is counted in `truncated`; an SDPO row whose masked span would
+be cut, and a DPO pair either of whose rows is longer (the rejected row's unscored tail
+included), are dropped and counted instead, since half a recovery turn or response teaches the
+wrong thing.
 """
 
 from __future__ import annotations
@@ -103,13 +104,16 @@ def _through_divergence(chosen: Encoded, rejected: Encoded) -> Encoded:
     a continuation in a context the chosen row never enters (a malformed call's tail, a ramble cut
     off at the token limit), often of tokens the policy gives almost no probability. Pushing those
     down teaches nothing about the action and, summed over a row, made the replay gradient alone
-    several times the clip norm. A rejected row that is a prefix of the chosen one keeps its mask.
+    exceed the clip norm. A rejected row that is a prefix of the chosen one keeps its mask. Rows that
+    differ before the response starts (a tokenizer that merges the response's first characters into
+    the generation prompt's last token) keep at least the response's first id.
     """
     n = min(chosen.ids.size, rejected.ids.size)
     differs = np.flatnonzero(chosen.ids[:n] != rejected.ids[:n])
     end = int(differs[0]) + 1 if differs.size else (n + 1 if rejected.ids.size > n else rejected.ids.size)
+    start = np.flatnonzero(rejected.mask)
     mask = rejected.mask.copy()
-    mask[end:] = False
+    mask[max(end, int(start[0]) + 1 if start.size else 0) :] = False
     return Encoded(rejected.ids, mask, rejected.logprobs)
 
 
@@ -400,7 +404,8 @@ class TraceCollator:
         where the student reasoned first (`<think>…</think>`), its sampled reasoning is context of
         both rows, and the teachers' answer follows it in place of the empty think block a chat
         format renders for an answer without reasoning; else every pair would raise empty reasoning
-        and lower the policy's own. Other pairs are rendered whole."""
+        and lower the policy's own. Other pairs are rendered whole. Either way the rejected row is
+        scored only through its first id unlike the chosen row's (`_through_divergence`)."""
         texts, spans, rows = [], [], []
         for pair in pairs:
             pair = pair if isinstance(pair, Mapping) else pair.model_dump()
