@@ -9,7 +9,10 @@ output directory OUT/run_I (warm start included), seeds `--first-seed` onward (`
 `--first-seed`, so only timing differs). A run *collapsed* when its reward over the last tenth of
 its steps is below `--bar` (healthy runs of the embedded default end at 0.85-0.96; collapsed ones
 near 0) after its reward had been above it (a tenth's rolling mean); one whose rolling mean never
-reached the bar *never learned* (a failed warm start, not a collapse). Per run it prints the first
+reached the bar *never learned* (a failed warm start, not a collapse). A run *dipped* when that
+rolling mean fell under the bar after reaching it, whether or not it came back before the end (a
+collapse caught early; with 60 steps, one that starts late ends the run as a collapse); each run
+also counts its steps whose own reward fell under the bar after that point. Per run it prints the first
 and last tenth's reward, where a collapse began (the rolling mean under `--bar` from there on), and the replay channel's
 `reward_chosen` / `reward_rejected` (β-scaled log-ratios to the reference) over the last tenth,
 and for thinking models the sampled reasoning (`reasoning/tokens`) first and last tenth; then the
@@ -36,6 +39,8 @@ class RunSummary:
     first: float
     last: float
     collapse_step: int | None
+    lowest: float | None  # the lowest rolling mean after the run first reached the bar
+    low_steps: int  # steps after that first window whose own reward was under the bar
     chosen: float
     rejected: float
     reasoning: tuple[float, float] | None  # reasoning/tokens, first and last tenth
@@ -46,6 +51,10 @@ class RunSummary:
     @property
     def collapsed(self) -> bool:
         return self.collapse_step is not None
+
+    @property
+    def dipped(self) -> bool:
+        return self.lowest is not None and self.lowest < self.bar
 
     @property
     def never_learned(self) -> bool:
@@ -76,6 +85,8 @@ def summarize(metrics: Path, seed: int, seconds: float, bar: float) -> RunSummar
         first=statistics.fmean(rewards[:tenth]),
         last=last,
         collapse_step=collapse_step,
+        lowest=min(rolling[learned:]) if learned is not None else None,
+        low_steps=sum(reward < bar for reward in rewards[learned + tenth :]) if learned is not None else 0,
         chosen=mean("replay/reward_chosen", rows[-tenth:]),
         rejected=mean("replay/reward_rejected", rows[-tenth:]),
         reasoning=(mean("reasoning/tokens", rows[:tenth]), mean("reasoning/tokens", rows[-tenth:])) if thinks else None,
@@ -119,17 +130,21 @@ def main() -> None:
         summaries.append(summary)
         mark = f"COLLAPSED at step {summary.collapse_step}" if summary.collapsed else "held"
         mark = "never reached the bar" if summary.never_learned else mark
+        mark += f" (dipped to {summary.lowest:.3f})" if summary.dipped and not summary.collapsed else ""
         thought = "" if summary.reasoning is None else "reasoning {:.1f} -> {:.1f} tokens; ".format(*summary.reasoning)
         print(
-            f"run {i + 1:2d} seed {seed:3d}: reward {summary.first:.3f} -> {summary.last:.3f} {mark}; {thought}"
+            f"run {i + 1:2d} seed {seed:3d}: reward {summary.first:.3f} -> {summary.last:.3f} {mark}; "
+            f"{summary.low_steps} steps under the bar after reaching it; {thought}"
             f"last tenth replay chosen {summary.chosen:+.3f} rejected {summary.rejected:+.3f}; {seconds:.0f} s",
             flush=True,
         )
     collapsed = sum(s.collapsed for s in summaries)
     never = sum(s.never_learned for s in summaries)
+    dipped = sum(s.dipped for s in summaries)
     healthy = [s.last for s in summaries if s.last >= args.bar]
     print(
-        f"{collapsed} of {len(summaries)} runs collapsed, {never} never reached the bar; the others' last-tenth reward "
+        f"{collapsed} of {len(summaries)} runs collapsed, {dipped} dipped under the bar after reaching it (the collapsed "
+        f"ones included), {never} never reached the bar; the others' last-tenth reward "
         f"{min(healthy, default=float('nan')):.3f}-{max(healthy, default=float('nan')):.3f} "
         f"(median {statistics.median(healthy) if healthy else float('nan'):.3f}); "
         f"median {statistics.median(s.seconds for s in summaries):.0f} s a run"
