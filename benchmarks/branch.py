@@ -43,11 +43,11 @@ def branch(run: Path, step: int, steps: int, out: Path, overrides: list[str]) ->
     shutil.copytree(run / "checkpoints" / f"step_{step}", out / "checkpoints" / f"step_{step}")
     lines = (run / "metrics.jsonl").read_text().splitlines()
     (out / "metrics.jsonl").write_text("".join(line + "\n" for line in lines[:step]))
-    command = [sys.executable, "-m", "meshrl.cli.main", "train", "@", str(run / "config.toml")]
+    command = [sys.executable, "-m", "meshrl.cli.main", "train", "@", str(run / "config.toml"), *overrides]
     command += ["--output-dir", str(out), "--resume", "--no-overwrite", "--max-steps", str(step + steps)]
-    command += ["--ckpt.interval", "1000000"]
+    command += ["--ckpt.interval", "1000000"]  # last: an arm's preset sets none of these
     with (out.parent / f"{out.name}.log").open("w") as log:
-        subprocess.run([*command, *overrides], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True)
+        subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [row for row in rows if row["step"] >= step]
 

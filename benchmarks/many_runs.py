@@ -4,7 +4,7 @@ the others end.
     python benchmarks/many_runs.py --runs 20 [--first-seed 0] [--same-seed] [--out DIR] [-- ARGS...]
     python benchmarks/many_runs.py --seeds 0 2 3 [--out DIR] [-- ARGS...]
 
-Each run is `meshrl train @ configs/local.toml --seed S --output-dir OUT/run_I ARGS...` in a fresh
+Each run is `meshrl train @ configs/local.toml ARGS... --seed S --output-dir OUT/run_I` in a fresh
 output directory OUT/run_I (warm start included), seeds `--first-seed` onward (`--same-seed`: every run seed
 `--first-seed`, so only timing differs). A run *collapsed* when its reward over the last tenth of
 its steps is below `--bar` (healthy runs of the embedded default end at 0.85-0.96; collapsed ones
@@ -96,8 +96,8 @@ def summarize(metrics: Path, seed: int, seconds: float, bar: float) -> RunSummar
 
 
 def run_one(run_dir: Path, seed: int, config: str, extra: list[str]) -> float:
-    command = [sys.executable, "-m", "meshrl.cli.main", "train", "@", config, "--seed", str(seed)]
-    command += ["--output-dir", str(run_dir), *extra]
+    command = [sys.executable, "-m", "meshrl.cli.main", "train", "@", config, *extra]
+    command += ["--seed", str(seed), "--output-dir", str(run_dir)]  # last: a preset in `extra` sets neither
     started = time.perf_counter()
     with run_dir.with_suffix(".log").open("w") as log:
         subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True)
