@@ -70,12 +70,15 @@ def _probe_turn(tool_name: str, reasoning: str | None = None) -> dict[str, Any]:
 
 
 class RendererChat:
-    """A `renderers` renderer. Within an episode only tool turns follow a sampled turn, so every
-    renderer is built to keep reasoning within a tool cycle (what it samples is what it sees)."""
+    """A `renderers` renderer, built to extend a sampled turn by what follows it and never re-render
+    it (thinking retention "all"): what the policy samples is what it sees next, reasoning and all.
+    Within an episode only tool turns follow a sampled turn; SDPO's hinted teacher also sees a hint
+    after them, and a re-render there would drop the earlier turns' reasoning (Qwen3 keeps reasoning
+    only after the last user message), so the teacher would reason less than the student did."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, settings: ChatSettings,
                  tools: list[dict[str, Any]] | None) -> None:  # fmt: skip
-        config = renderers.config_from_name(settings.renderer).model_copy(update={"thinking_retention": "tool_cycle"})
+        config = renderers.config_from_name(settings.renderer).model_copy(update={"thinking_retention": "all"})
         try:
             self.renderer = renderers.create_renderer(tokenizer, config, chat_template_kwargs=settings.template_kwargs)
         except (AssertionError, ValueError) as error:  # renderers asserts its special tokens exist

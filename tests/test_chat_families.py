@@ -281,6 +281,11 @@ def test_replay_and_sdpo_rows_carry_the_sampled_ids(episode):
     assert student == recovery.prompt_token_ids + recovery.student_token_ids
     teacher, taught = row("sdpo_teacher")
     assert taught == recovery.student_token_ids and HINT in tok.decode(teacher)
+    # The teacher's context is the student's own ids through its turn before the error, then the tool
+    # turn and the hint: the earlier turn's reasoning stays (a re-render drops it in Qwen3's format
+    # once a user message follows, and the teacher would reason less than the student did).
+    earlier = wrong.prompt_token_ids + wrong.student_token_ids
+    assert teacher[: len(earlier)] == earlier, name
     # SDPO's rows differ in the hint alone: both end in the same sampled turn, a thinking family's
     # reasoning in it (distilled token by token, never traded for an empty think block).
     assert student[-len(taught) :] == taught and HINT not in tok.decode(student)

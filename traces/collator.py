@@ -45,6 +45,14 @@ class SampledFormat(Protocol):
 
     def reply_ids(self, messages: list[dict[str, Any]], action: dict[str, Any]) -> list[int]: ...
 
+    def tool_turn_ids(
+        self,
+        prompt_ids: list[int],
+        completion_ids: list[int],
+        messages: list[dict[str, Any]],
+        tool_messages: list[dict[str, Any]],
+    ) -> list[int]: ...
+
 
 IGNORE = -100
 THINK_END = "</think>"
@@ -338,7 +346,7 @@ class TraceCollator:
                 sampled = ex.sampled_ids(turn)
                 if sampled is not None:
                     before, ids = (self._checked(part, ex.trace_id) for part in sampled)
-                    exact.append((_then(before, ids), _then(self.prompt_ids(hinted), ids)))
+                    exact.append((_then(before, ids), _then(self._hinted_prompt(ex, k, hinted), ids)))
                     continue
                 students.append(messages[: k + 1])
                 teachers.append([*hinted, messages[k]])
@@ -355,6 +363,24 @@ class TraceCollator:
             kept_s.append(student)
             kept_t.append(teacher)
         return kept_s, kept_t
+
+    def _hinted_prompt(self, example: TraceExample, k: int, hinted: list[dict[str, Any]]) -> np.ndarray:
+        """SDPO's teacher prompt for sampled turn `k`: the exact ids through the student's last sampled
+        turn before it, extended by what followed that turn and the hint as the chat format extends a
+        sampled turn. It differs from the student's prompt in the hint alone: a re-rendered
+        conversation would also drop the earlier turns' reasoning in formats that keep reasoning only
+        after the last user message (Qwen3), and the teacher would reason less than the student did.
+        Rendered whole where no sampled turn precedes, or the format cannot extend one by a hint."""
+        turns = example.turns
+        previous = next((j for j in range(k - 1, -1, -1) if turns[j].role == "assistant" and turns[j].token_span), None)
+        if previous is not None and self.sampled_format is not None:
+            before, ids = (list(part) for part in example.sampled_ids(turns[previous]))
+            try:
+                tail = self.sampled_format.tool_turn_ids(before, ids, hinted[: previous + 1], hinted[previous + 1 :])
+                return self._checked([*before, *ids, *tail], example.trace_id)
+            except ValueError:
+                pass
+        return self.prompt_ids(hinted)
 
     def _ids(self, text: str) -> np.ndarray:
         return np.asarray(self._backend.encode(text, add_special_tokens=False).ids, dtype=np.int64)
