@@ -89,6 +89,8 @@ METRICS: dict[str, dict[str, str]] = {
         "collate/truncated": "Trace rows the collator cut to its max_seq_len.",
         "collate/sdpo_dropped": "SDPO error sites dropped (student and hinted rows did not share recovery tokens).",
         "collate/dpo_dropped": "DPO pairs dropped for exceeding max_seq_len.",
+        "collate/dpo_open_reasoning": "DPO pairs left out because the student's sampled turn never closed its "
+        "reasoning (thinking formats): no action to contrast, only reasoning against an empty think block.",
     },
     "Teachers": {
         "teacher/actor_failures": "Teacher actors that died mid-round (each respawned; cumulative).",

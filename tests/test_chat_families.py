@@ -292,6 +292,34 @@ def test_replay_and_sdpo_rows_carry_the_sampled_ids(episode):
     assert ("</think>" in tok.decode(taught)) == ("</think>" in tok.decode(recovery.student_token_ids)) == thinks
 
 
+def test_a_turn_cut_off_while_reasoning_gives_no_replay_pair(episode):
+    """A sampled turn that never closed its reasoning took no action: its pair could only contrast the
+    student's reasoning with the empty think block a thinking format renders for the teachers' answer
+    (training the policy to stop thinking), so the collator leaves it out and counts it. A format
+    without think blocks keeps it."""
+    name, family, episodes, _, rollout, _ = episode
+    tok = episodes.tokenizer
+    wrong = trace_states(rollout_trace(rollout, ErrorClassifier()))[0]
+    think_end = tok.convert_tokens_to_ids("</think>")
+    sampled = wrong.student_token_ids
+    cut = sampled[: sampled.index(think_end)] if think_end in sampled else sampled[: len(sampled) // 2]
+    chosen = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": "c0", "name": "poll", "arguments": {"ticket": TICKET}}],
+    }
+    pair = DpoPair(trace_id="t", turn_index=wrong.turn_index, state_messages=wrong.state_messages, chosen=chosen,
+                   rejected={"role": "assistant", "content": ""}, n_teachers_agreeing=2, teachers=["a", "b"],
+                   n_teachers=2, prompt_token_ids=wrong.prompt_token_ids, rejected_token_ids=cut)  # fmt: skip
+    collator = TraceCollator(tok, tools=episodes.tools, template_kwargs=family.settings.template_kwargs,
+                             sampled_format=episodes.chat)  # fmt: skip
+    collated = collator([], pairs=[pair], rl=False)
+    renders_thinking = think_end in episodes.chat.reply_ids(wrong.state_messages, chosen)
+    assert renders_thinking == (name in ("qwen3-thinking", "deepseek-r1-distill")), name
+    assert collated.stats.dpo_open_reasoning == int(renders_thinking), name
+    assert ("dpo_rejected_input_ids" in collated.batch) != renders_thinking, name
+
+
 def test_a_template_that_cannot_carry_the_episode_is_refused_at_start_up():
     qwen3 = build_tokenizer(512, "qwen3")
     with pytest.raises(ValueError, match="not prefix-preserving: an assistant tool-call turn without reasoning"):

@@ -82,6 +82,7 @@ class CollateStats:
     truncated: int = 0
     sdpo_dropped: int = 0
     dpo_dropped: int = 0
+    dpo_open_reasoning: int = 0  # pairs whose student turn never closed its reasoning
 
     def __iadd__(self, other: CollateStats) -> CollateStats:
         for f in fields(self):
@@ -430,7 +431,10 @@ class TraceCollator:
         where the student reasoned first (`<think>…</think>`), its sampled reasoning is context of
         both rows, and the teachers' answer follows it in place of the empty think block a chat
         format renders for an answer without reasoning; else every pair would raise empty reasoning
-        and lower the policy's own. Other pairs are rendered whole. Either way the rejected row is
+        and lower the policy's own. A sampled turn that never closed its reasoning (cut off while
+        thinking, or no think block where the format renders one) has no action to contrast: such a
+        pair is left out and counted (`dpo_open_reasoning`), since its rows could only contrast
+        reasoning with the empty think block. Other pairs are rendered whole. Either way the rejected row is
         scored only through its first id unlike the chosen row's (`_through_divergence`)."""
         texts, spans, rows = [], [], []
         for pair in pairs:
@@ -441,10 +445,13 @@ class TraceCollator:
                 before = self._checked(pair["prompt_token_ids"], where)
                 sampled = self._checked(pair["rejected_token_ids"], where)
                 chosen_ids = self.reply_ids(state, pair["chosen"])
-                thought = self.reasoning_end(sampled)
+                thought, rendered_thought = self.reasoning_end(sampled), self.reasoning_end(chosen_ids)
+                if rendered_thought and not thought:  # no action after reasoning: the rows would differ in it
+                    stats.dpo_open_reasoning += 1
+                    continue
                 if thought:
                     before, sampled = np.concatenate([before, sampled[:thought]]), sampled[thought:]
-                    chosen_ids = chosen_ids[self.reasoning_end(chosen_ids) :]
+                    chosen_ids = chosen_ids[rendered_thought:]
                 rows.append((_then(before, chosen_ids), _then(before, sampled)))
                 continue
             rows.append(None)
