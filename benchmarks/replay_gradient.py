@@ -28,6 +28,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from meshrl.configs.loader import read_preset
 from meshrl.configs.schema import RunConfig
+from meshrl.loss_adapters.logprobs import sequence_token_logprobs
+from meshrl.loss_adapters.replay import dpo_loss
 from meshrl.rollouts.chat import ChatSettings, make_chat
 from meshrl.rollouts.packing import Encoded
 from meshrl.tasks.base import make_task, task_tools
@@ -36,9 +38,8 @@ from meshrl.traces.collator import CollateStats, TraceCollator
 
 def scored_logprob(model: torch.nn.Module, row: Encoded) -> torch.Tensor:
     """Summed logprob of a row's masked ids."""
-    ids = torch.as_tensor(row.ids)[None]
-    logprobs = torch.log_softmax(model(ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
-    return (logprobs * torch.as_tensor(row.mask[1:], dtype=torch.float32)).sum()
+    ids, mask = torch.as_tensor(row.ids)[None], torch.as_tensor(row.mask)[None]
+    return sequence_token_logprobs(model, ids, positions=mask).sum()
 
 
 def whole(row: Encoded) -> Encoded:
@@ -83,21 +84,22 @@ def main() -> None:
         chosen, rejected = collator._dpo(pairs, CollateStats())
         demos = [d for d in task.demonstrations(random.Random(step), 4 * args.episodes) if d.final_reward == 1.0]
         batch = collator(demos[: args.episodes]).batch
-        logits = policy(batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
-        targets = batch["input_ids"][:, 1:]
-        token_logprobs = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
-        (token_logprobs * batch["loss_mask"][:, 1:].float()).sum().div(len(demos[: args.episodes])).backward()
+        token_logprobs = sequence_token_logprobs(
+            policy, batch["input_ids"], positions=batch["loss_mask"], attention_mask=batch["attention_mask"]
+        )
+        token_logprobs.sum().div(len(demos[: args.episodes])).backward()
         correct = flat_grad(policy)
         for name, rows in (("through divergence", rejected), ("whole", [whole(r) for r in rejected])):
             with torch.no_grad():
                 refs = [(scored_logprob(reference, c), scored_logprob(reference, r)) for c, r in zip(chosen, rows)]
             sides = [(scored_logprob(policy, c), scored_logprob(policy, r)) for c, r in zip(chosen, rows)]
-            margins = torch.stack([(pc - rc) - (pr - rr) for (pc, pr), (rc, rr) in zip(sides, refs)])
-            loss = -F.logsigmoid(beta * margins).mean()
+            (pc, pr), (rc, rr) = (torch.stack(side) for side in zip(*sides)), (torch.stack(side) for side in zip(*refs))
+            loss = dpo_loss(pc, pr, rc, rr, beta=beta).loss
+            margins = ((pc - rc) - (pr - rr)).detach()
             loss.backward(retain_graph=True)
             gradient = flat_grad(policy)
-            weights = torch.sigmoid(-beta * margins.detach())  # the rejected rows' part of the DPO gradient
-            (beta * (weights * torch.stack([pr for _, pr in sides])).mean()).backward()
+            weights = torch.sigmoid(-beta * margins)  # the rejected rows' part of the DPO gradient
+            (beta * (weights * pr).mean()).backward()
             rejected_part = flat_grad(policy)
             cosine = F.cosine_similarity(-gradient, correct, dim=0).item()
             print(
