@@ -12,7 +12,8 @@ alternate, so the machine's load falls on each alike. A resumed run draws the sa
 it differs from its siblings by the timing of its asynchronous steps, as whole runs do. Per branch it
 prints the rewards step by step (a branch that fails is reported and left out), then per arm the mean
 over the branches from the second step on (the first was mostly sampled before the branch's own first
-update) of reward, tool errors, `grad_norm` and the replay loss.
+update) of reward, tool errors, `grad_norm`, the replay loss and, for thinking models, the sampled
+reasoning (`reasoning/tokens`).
 """
 
 from __future__ import annotations
@@ -87,8 +88,13 @@ def main() -> None:
         after = [row for rows in branches for row in rows[1:]]
         print(
             f"{name}: reward {mean(after, 'reward/mean'):.3f}, tool errors {mean(after, 'tool_errors'):.1f}, "
-            f"grad_norm {mean(after, 'grad_norm'):.2f}, replay loss {mean(after, 'loss/replay'):.2f} "
-            f"(steps {args.step + 1}-{args.step + args.steps - 1}, {len(branches)} branches)"
+            f"grad_norm {mean(after, 'grad_norm'):.2f}, replay loss {mean(after, 'loss/replay'):.2f}"
+            + (
+                f", reasoning tokens {mean(after, 'reasoning/tokens'):.1f}"
+                if any("reasoning/tokens" in r for r in after)
+                else ""
+            )
+            + f" (steps {args.step + 1}-{args.step + args.steps - 1}, {len(branches)} branches)"
         )
 
 

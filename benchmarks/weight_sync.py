@@ -4,7 +4,7 @@ disk (PRIME-RL's filesystem path), same model, one process, through the real mes
     python benchmarks/weight_sync.py [--syncs 10] [--hidden-size 1024] [--num-layers 8] [--dotted.overrides ...]
 
 Each mode spawns the embedded default's meshes (one trainer, one generator) on a locally built
-tiny Llama of the given width and depth, then times `Controller.publish(v, wait=True)`: from the
+tiny Llama of the given width and depth, then times `WeightPublisher.publish(v, wait=True)`: from the
 controller asking the trainer for version v until the generator has it loaded in its engine.
 Medians over the syncs after the first two (the RDMA buffer is registered on the first).
 """
@@ -32,7 +32,7 @@ def time_syncs(base: list[str], mode: str, out: Path, syncs: int) -> list[float]
     controller = Controller(config)
     controller.spawn()
     try:
-        return [controller.publish(version, wait=True) for version in range(syncs)]
+        return [controller.weights.publish(version, wait=True) for version in range(syncs)]
     finally:
         controller.shutdown()
 

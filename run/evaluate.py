@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
@@ -91,6 +92,18 @@ class BackgroundEval:
             self.episodes = _episodes(self.config, self.model_path)
         self.engine.load_weights(weights, version)
         return {**evaluate(self.engine, self.episodes, self.plan).metrics(), "eval/policy_version": float(version)}
+
+    def round(self, step: int, weights: Callable[[], dict[str, torch.Tensor]]) -> dict[str, float]:
+        """After `step` steps: every `eval.interval` steps the policy's `weights()` go to an
+        evaluation (unless one is still running: skipped); a finished one's metrics go into this
+        step's record. The last step evaluates the final policy and waits for it; the step before
+        waits for a running round and starts none, so no round's result is left for the last
+        step's record, which holds the final policy's."""
+        last, before_last = step == self.config.max_steps, step == self.config.max_steps - 1
+        stats = self.done(wait=before_last)
+        if (step % self.config.eval.interval == 0 and not before_last) or last:
+            self.start(weights(), step)
+        return self.done(wait=True) if last else stats
 
     def done(self, wait: bool = False) -> dict[str, float]:
         """The finished evaluation's metrics, or {} (none finished); `wait` waits for a running one.

@@ -225,7 +225,7 @@ def test_islands_draw_their_own_prompts_from_one_seed():
     """Islands share `seed` (the same model and warm start) but not their prompt and sampling
     streams: two islands on one stream would train on the same rollouts."""
     from meshrl.configs import load_config
-    from meshrl.run.controller import stream_seed
+    from meshrl.run.streams import stream_seed
 
     def seed(*args: str) -> int:
         return stream_seed(load_config(["--seed", "3", *args]))

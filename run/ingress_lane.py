@@ -1,0 +1,43 @@
+"""The ingress lane: a run's server for outside rollout workers, set up from the run's config.
+
+Workers get the spec of what to run (task, sampling, chat format, limits, model files) and the
+policy versions the weight publisher hands the server; every submission is verified against this
+run's task and those versions before the rollout feed takes it as one more source of groups.
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+from meshrl.configs.schema import RunConfig
+from meshrl.ingress.protocol import Spec
+from meshrl.ingress.server import IngressServer, model_files
+from meshrl.ingress.verify import Scorer, Verifier
+from meshrl.rollouts.chat import ChatSettings
+from meshrl.rollouts.episodes import EpisodeFormat, EpisodeLimits
+from meshrl.tasks.base import make_task
+
+
+def start_ingress(
+    config: RunConfig, model_path: str, tokenizer: PreTrainedTokenizerBase, chat: ChatSettings
+) -> IngressServer:
+    """Listen for rollout workers (`ingress.bind`)."""
+    g = config.generator
+    limits = EpisodeLimits.of(config)
+    spec = Spec(
+        task_import_path=config.task.import_path, task_kwargs=config.task.kwargs, temperature=g.temperature,
+        top_p=g.top_p, max_new_tokens=g.max_new_tokens, dtype=config.model.dtype,
+        renderer=chat.renderer, tool_parser=chat.tool_parser,
+        chat_template_kwargs=chat.template_kwargs, model_files=model_files(model_path),
+        max_episode_tokens=limits.max_tokens, max_tool_result_tokens=limits.max_tool_tokens,
+    )  # fmt: skip
+    holder: list[IngressServer] = []  # the scorer reads the versions the server keeps
+    scorer = Scorer(model_path, config.model.dtype, g.temperature, lambda v: holder[0].weights_path(v))
+    verifier = Verifier(
+        EpisodeFormat(tokenizer, make_task(config.task), chat, limits), scorer,
+        max_new_tokens=g.max_new_tokens,
+        fraction=config.ingress.verify_fraction, tolerance=config.ingress.verify_tolerance,
+    )  # fmt: skip
+    holder.append(IngressServer(config.ingress, spec, verifier))
+    print(f"ingress: listening on {holder[0].address}")
+    return holder[0]

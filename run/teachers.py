@@ -1,0 +1,166 @@
+"""Teacher rounds: imperfect states to the teacher actors, their answers mined into replay pairs.
+
+Each step the answers that have come back are mined (`mine_pairs`: an action enough teachers agree
+on, unlike the student's) and the free teacher actors get the step's worst rollouts' imperfect
+states, then states of the ingested traces (`task.traces`). The controller never waits for a
+teacher: a round still out is counted late and looked at again next step.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from meshrl.actors.teacher import TeacherAnswers
+from meshrl.configs.schema import RunConfig
+from meshrl.rollouts.batches import rollout_trace
+from meshrl.rollouts.episodes import Rollout, cap_trace
+from meshrl.run.meshes import Meshes
+from meshrl.run.record import Timeline
+from meshrl.run.streams import rng_from, rng_state, stream_seed
+from meshrl.topology.faults import SupervisionError
+from meshrl.traces.collator import TraceCollator, to_message
+from meshrl.traces.errors import ErrorClassifier
+from meshrl.traces.pairs import DpoPair, ReplayState, mine_pairs, trace_states
+from meshrl.traces.schema import TraceExample
+
+
+def offline_states(config: RunConfig, tokenizer: PreTrainedTokenizerBase, collator: TraceCollator) -> list[ReplayState]:
+    """States of the ingested traces named in task.traces, for teacher replay. A state whose
+    context leaves no room for a reply in one micro-batch is left out, named: its pair rows
+    could never be trained whole."""
+    room = config.trainer.micro_batch_tokens - config.generator.max_new_tokens
+
+    def fits(state: ReplayState) -> bool:
+        return len(collator.prompt_ids([to_message(m) for m in state.state_messages])) <= room
+
+    states = []
+    for path in config.task.traces:
+        for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                example = TraceExample.model_validate_json(line)
+            except ValueError as exc:
+                raise ValueError(f"task.traces: {path}:{n}: not a trace example: {exc}") from None
+            example = cap_trace(example, tokenizer, config.generator.max_tool_result_tokens)
+            found = trace_states(example)
+            fitting = [state for state in found if fits(state)]
+            if len(fitting) < len(found):
+                print(f"task.traces: {path}:{n} (trace {example.trace_id}): {len(found) - len(fitting)} of "
+                      f"{len(found)} states leave no room for a reply within trainer.micro_batch_tokens "
+                      f"{config.trainer.micro_batch_tokens}; left out", flush=True)  # fmt: skip
+            states += fitting
+    return states
+
+
+class TeacherRounds:
+    """The teacher actors' rounds in flight, the pairs mined since the last step, and the teachers'
+    counters over the run (checkpointed)."""
+
+    def __init__(self, config: RunConfig, meshes: Meshes, offline: list[ReplayState], timeline: Timeline) -> None:
+        self.config, self.meshes, self.offline, self.timeline = config, meshes, offline, timeline
+        self.rng = random.Random(stream_seed(config) + 3)  # offline states for the teachers
+        self.rounds: dict[int, _Round] = {}  # teacher rank -> its round in flight
+        self.pairs: list[DpoPair] = []
+        self.counts = {"actor_failures": 0, "late_rounds": 0}
+        self.totals: dict[str, float] = {}  # counters of teacher actors gone (died, or before a resume)
+        self.latest: dict[int, dict[str, float]] = {}  # teacher rank -> its live actor's counters
+
+    def take_pairs(self) -> list[DpoPair]:
+        """The pairs mined since the last call."""
+        pairs, self.pairs = self.pairs, []
+        return pairs
+
+    def round(self, rollouts: list[Rollout], step: int) -> dict[str, float]:
+        """Mine the teacher answers that have come back; send this step's imperfect states to the
+        teacher actors that are free; the teachers' counters. Never waits for a teacher."""
+        pool = self.meshes.teachers
+        if pool is None:
+            return {}
+        for rank, pending in list(self.rounds.items()):
+            try:
+                reply: TeacherAnswers = pending.future.get(timeout=0.001)
+            except TimeoutError:
+                self.counts["late_rounds"] += 1
+                continue
+            except SupervisionError:
+                del self.rounds[rank]
+                self.counts["actor_failures"] += 1
+                for name, value in self.latest.pop(rank, {}).items():
+                    self.totals[name] = self.totals.get(name, 0.0) + value
+                if pool[rank] is pending.actor:
+                    self.meshes.replace(pool, rank)
+                continue
+            del self.rounds[rank]
+            self.latest[rank] = reply.totals
+            self.timeline.add(f"teacher {rank}", pending.sent, time.time(), step)
+            for state, actions in zip(pending.states, reply.actions):
+                pair = mine_pairs(state, actions, self.config.teachers.min_agree)
+                if pair is not None:
+                    self.pairs.append(pair)
+        free = [rank for rank in range(len(pool)) if rank not in self.rounds]
+        if free:
+            states, contexts = self._states(rollouts)
+            spent = self.run_totals().get("usd_spent", 0.0)
+            for i, rank in enumerate(free):
+                chunk, chunk_contexts = states[i :: len(free)], contexts[i :: len(free)]
+                if chunk:
+                    actor = pool[rank]
+                    elsewhere = spent - self.latest.get(rank, {}).get("usd_spent", 0.0)
+                    future = actor.replay.call_one([s.state_messages for s in chunk], chunk_contexts, elsewhere)
+                    self.rounds[rank] = _Round(actor, future, chunk, time.time())
+        return {f"teacher/{k}": float(v) for k, v in {**self.run_totals(), **self.counts}.items()}
+
+    def _states(self, rollouts: list[Rollout]) -> tuple[list[ReplayState], list[dict[str, Any]]]:
+        """Up to `states_per_step` states: the worst rollouts' imperfect states, then offline ones."""
+        classifier = ErrorClassifier()
+        budget = self.config.teachers.states_per_step
+        states, contexts = [], []
+        for r in sorted(rollouts, key=lambda r: r.reward)[:budget]:
+            if r.reward < 1.0:
+                for state in trace_states(rollout_trace(r, classifier)):
+                    states.append(state)
+                    contexts.append({"prompt": r.prompt})
+        for state in self.rng.sample(self.offline, min(len(self.offline), budget // 2)):
+            states.append(state)
+            contexts.append({})
+        return states[:budget], contexts[:budget]
+
+    def run_totals(self) -> dict[str, float]:
+        """Teacher counters over the run: the live actors' plus those of actors before them
+        (replaced ones, and the run before a resume)."""
+        totals = dict(self.totals)
+        for latest in self.latest.values():
+            for name, value in latest.items():
+                totals[name] = totals.get(name, 0.0) + value
+        return totals
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps: the offline-state stream, the counters, the pairs not yet trained on."""
+        return {
+            "teacher_rng": rng_state(self.rng),
+            "teacher_totals": self.run_totals(),
+            "teacher_counts": self.counts,
+            "pairs": [p.model_dump() for p in self.pairs],
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.rng.setstate(rng_from(state["teacher_rng"]))
+        self.totals, self.counts = state["teacher_totals"], state["teacher_counts"]
+        self.pairs = [DpoPair.model_validate(p) for p in state["pairs"]]
+
+
+@dataclass
+class _Round:
+    """States sent to a teacher actor, awaiting its answers (mined into pairs when they come)."""
+
+    actor: Any
+    future: Any  # -> TeacherAnswers
+    states: list[ReplayState]
+    sent: float
