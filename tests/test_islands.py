@@ -2,9 +2,10 @@
 
 One run serves every assertion: island b is SIGKILLed after its first committed outer step with
 island a, a goes on alone, b comes back with `--resume`, heals to the global weights and syncs
-with a again. Condition-driven: a is paused at a step boundary (EchoTask's hold file) from its
-first outer step alone until the resumed b has trained a step (its torchft manager is up), so
-a cannot finish before b is back, however slow the machine."""
+with a again. Condition-driven (EchoTask's hold file pauses a run at a step boundary): b waits
+for its first prompts until a has trained a step, so b cannot run all its steps alone while a
+starts; a is paused from its first outer step alone until the resumed b has trained a step (its
+torchft manager is up), so a cannot finish before b is back, however slow the machine."""
 
 from __future__ import annotations
 
@@ -79,9 +80,12 @@ def test_fragments_partition_the_parameters_once(tiny_lm):
 def test_two_islands_sync_survive_a_death_and_heal_on_resume(tmp_path):
     lighthouse = serve_lighthouse("[::]:0", min_islands=1, join_timeout_ms=10_000, heartbeat_timeout_ms=2_000)
     a_out, b_out = tmp_path / "a", tmp_path / "b"
+    (tmp_path / "hold_b").touch()  # b waits for its first prompts until a has trained a step
     a = island(a_out, "a", lighthouse.address())
     b = island(b_out, "b", lighthouse.address())
     try:
+        wait_for(lambda: records(a_out), a, "island a's first step")
+        (tmp_path / "hold_b").unlink()
         both = lambda rs: [r for r in rs if r.get("diloco/islands") == 2]  # noqa: E731
         wait_for(lambda: both(records(b_out)) and (b_out / "checkpoints" / "step_2" / "COMPLETE").exists(), b,
                  "island b's first outer step with a")  # fmt: skip
