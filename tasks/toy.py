@@ -69,19 +69,23 @@ def _asked_keys(messages: list[dict[str, Any]]) -> list[str]:
     return keys
 
 
-class ToolTask:
-    """Key-value lookup with one tool; all randomness comes from the rng passed in."""
+LOOKUP_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": LOOKUP,
+        "description": "The value stored under a key.",
+        "parameters": {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]},
+    },
+}
 
-    tools = [
-        {
-            "type": "function",
-            "function": {
-                "name": LOOKUP,
-                "description": "The value stored under a key.",
-                "parameters": {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]},
-            },
-        }
-    ]
+
+class ToolTask:
+    """Key-value lookup with one tool; all randomness comes from the rng passed in.
+
+    `declare_tools = False` leaves the lookup's schema out of the chat template (the system prompt
+    names the tool either way): a template that renders schemas (Qwen3's) puts ~280 tokens of JSON
+    before the question, across which the tiny model never learns to copy the key.
+    """
 
     def __init__(
         self,
@@ -92,6 +96,7 @@ class ToolTask:
         recovery_rate: float = 0.3,
         guess_rate: float = 0.0,
         think_words: int = 0,
+        declare_tools: bool = True,
     ) -> None:
         if not 1 <= n_keys <= 25 * key_len:
             raise ValueError(f"n_keys must be in [1, {25 * key_len}] so a misspelled key can miss the store")
@@ -112,6 +117,7 @@ class ToolTask:
         self.recovery_rate = recovery_rate
         self.guess_rate = guess_rate
         self.think_words = think_words
+        self.tools = [LOOKUP_SCHEMA] if declare_tools else None
 
     def sample_prompts(self, rng: random.Random, n: int) -> list[Prompt]:
         return [self._prompt(rng) for _ in range(n)]
@@ -158,7 +164,8 @@ class ToolTask:
         traces carry; usually wrong, rewarded as the rubric says), the others are correct,
         about `recovery_rate` of those after miscopying the key and recovering. With `think_words`,
         every assistant turn reasons first (1 to `think_words` words of a plan, as
-        `reasoning_content`): a thinking model's demonstrations, for chat formats that render it.
+        `reasoning_content`; the answer turn at most 2): a thinking model's demonstrations, for chat
+        formats that render it.
         """
         demos = []
         for prompt in self.sample_prompts(rng, n):
@@ -178,7 +185,8 @@ class ToolTask:
                     Turn(role="tool", content=result.content, tool_call_id=call.id, is_error=result.is_error or None)
                 )
             plan = "The tool returned the value so I answer with it now and stop"
-            turns.append(Turn(role="assistant", reasoning_content=self._thought(rng, plan), content=prompt.answer))
+            thought = self._thought(rng, plan, most=2)  # the tiny model copies the value across a short thought only
+            turns.append(Turn(role="assistant", reasoning_content=thought, content=prompt.answer))
             mark_error_sites(turns, _CLASSIFIER)  # as ingestion and rollouts mark them
             demos.append(
                 TraceExample(trace_id=prompt.prompt_id, source=SOURCE, turns=turns, final_reward=ANSWER_REWARD)
@@ -193,9 +201,12 @@ class ToolTask:
         reward = self.reward(prompt, [*prompt.messages, {"role": "assistant", "content": guess}])
         return TraceExample(trace_id=prompt.prompt_id, source=SOURCE, turns=turns, final_reward=reward)
 
-    def _thought(self, rng: random.Random, plan: str) -> str | None:
-        """The first 1 to `think_words` words of `plan` (None without `think_words`: no rng drawn)."""
-        return " ".join(plan.split()[: rng.randint(1, self.think_words)]) if self.think_words else None
+    def _thought(self, rng: random.Random, plan: str, most: int | None = None) -> str | None:
+        """The first 1 to `think_words` (at most `most`) words of `plan` (None without `think_words`:
+        no rng drawn)."""
+        if not self.think_words:
+            return None
+        return " ".join(plan.split()[: rng.randint(1, min(self.think_words, most or self.think_words))])
 
     @staticmethod
     def _misspelled(rng: random.Random, prompt: Prompt) -> str:

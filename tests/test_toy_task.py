@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from meshrl.inference.toolcalls import MALFORMED, parse_tool_calls
 from meshrl.models.tiny import build_tokenizer
-from meshrl.tasks.base import Demonstrating, Hinting, Prompt, Task
-from meshrl.tasks.toy import LOOKUP, ToolTask
+from meshrl.tasks.base import Demonstrating, Hinting, Prompt, Task, task_tools
+from meshrl.tasks.toy import LOOKUP, LOOKUP_SCHEMA, ToolTask
 from meshrl.traces.collator import to_message
 from meshrl.traces.schema import TraceExample
 
@@ -317,11 +317,18 @@ def test_hermes_renders_tools_in_the_system_turn_and_results_in_one_user_turn(he
     assert no_tools.startswith(f"<|im_start|>system\n{prompt.messages[0]['content']}<|im_end|>\n")
 
 
+def test_the_lookup_schema_can_be_left_out_of_the_template():
+    assert task_tools(ToolTask()) == [LOOKUP_SCHEMA] and task_tools(ToolTask(declare_tools=False)) is None
+
+
 def test_thinking_demonstrations_reason_before_every_action():
     assert all(t.reasoning_content is None for d in ToolTask().demonstrations(random.Random(4), 50) for t in d.turns)
     task = ToolTask(guess_rate=0.5, think_words=6)
     demos = task.demonstrations(random.Random(4), 200)
     replies = [t for d in demos for t in d.turns if t.role == "assistant"]
     assert {len(t.reasoning_content.split()) for t in replies} == set(range(1, 7))  # 1 to think_words words
+    answers = [t for d in demos for t in d.turns if t.role == "assistant" and not t.tool_calls and t.content.isdigit()]
+    after_lookup = [t for t in answers if t.reasoning_content.startswith("The")]  # guesses think "I remember ..."
+    assert after_lookup and {len(t.reasoning_content.split()) for t in after_lookup} == {1, 2}  # a short thought
     for demo, prompt in zip(demos, task.sample_prompts(random.Random(4), 200)):  # what it does is scored as before
         assert demo.final_reward == task.reward(prompt, [to_message(t) for t in demo.turns])
