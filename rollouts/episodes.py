@@ -73,15 +73,28 @@ def rubric_means(rollouts: list[Rollout]) -> dict[str, float]:
     return {key: sum(v) / len(v) for key, v in values.items()}
 
 
-def reasoning_tokens(rollouts: list[Rollout], think_end: int) -> float:
-    """Mean sampled tokens per assistant turn through its first `think_end` (`</think>`; 0 for a turn
-    that closed none): how long a thinking policy reasons, which a loss channel can quietly train away."""
-    counts = []
+def reasoning_stats(rollouts: list[Rollout], think_end: int) -> dict[str, float]:
+    """How long a thinking policy reasons, which a loss channel can quietly train away, measured so a
+    change in how many turns episodes take does not read as one: `reasoning/tokens`, the mean sampled
+    tokens through `think_end` (`</think>`) over the assistant turns that closed their reasoning, and
+    `reasoning/first_turn_tokens` over episodes' first turns alone (the same state in every episode);
+    `reasoning/unclosed`, the fraction of turns that never closed it (cut off while thinking, or no
+    think block at all: a policy that stops reasoning shows here, not as 0-token turns in the mean)."""
+    closed, first, turns = [], [], 0
     for rollout in rollouts:
-        for span in sampled_spans(rollout.loss_mask):
+        for i, span in enumerate(sampled_spans(rollout.loss_mask)):
             ids = rollout.token_ids[span.start : span.end]
-            counts.append(ids.index(think_end) + 1 if think_end in ids else 0)
-    return sum(counts) / max(1, len(counts))
+            turns += 1
+            if think_end in ids:
+                closed.append(ids.index(think_end) + 1)
+                if i == 0:
+                    first.append(closed[-1])
+    nan = float("nan")
+    return {
+        "reasoning/tokens": sum(closed) / len(closed) if closed else nan,
+        "reasoning/first_turn_tokens": sum(first) / len(first) if first else nan,
+        "reasoning/unclosed": (turns - len(closed)) / turns if turns else nan,
+    }
 
 
 # What ends an episode whose next turn would not fit its token budget (verifiers' name for it).

@@ -36,8 +36,13 @@ METRICS: dict[str, dict[str, str]] = {
         "groups/uninformative": "The step's own groups whose rewards were all equal (advantage 0).",
         "groups/refilled": "Extra groups asked for to replace uninformative ones (generator.refill_uninformative); "
         "each one that comes back takes a tied group's place in the batch, as in DAPO.",
-        "reasoning/tokens": "Thinking models (a vocabulary with `</think>` as one token): mean sampled tokens per "
-        "assistant turn through its first `</think>` (0 where a turn closed none): how long the policy reasons.",
+        "reasoning/tokens": "Thinking models (a vocabulary with `</think>` as one token): mean sampled tokens "
+        "through the first `</think>` over the assistant turns that closed their reasoning: how long the policy "
+        "reasons (null on a step where no turn closed it).",
+        "reasoning/first_turn_tokens": "Thinking models: the same over episodes' first turns alone, a measure "
+        "no change in how many turns episodes take can move.",
+        "reasoning/unclosed": "Thinking models: fraction of assistant turns that never closed their reasoning "
+        "(cut off while thinking, or no think block at all).",
         "rubric/<component>": "Mean of one reward term of the task's rubric (scoring tasks: verifiers, HumanEval).",
         "task_metric/<metric>": "Mean of an observation the task logs beside its reward (scoring tasks).",
     },

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from meshrl.rollouts.batches import RlShards
-from meshrl.rollouts.episodes import Rollout, fresh_rollouts, reasoning_tokens, rubric_means
+from meshrl.rollouts.episodes import Rollout, fresh_rollouts, reasoning_stats, rubric_means
 from meshrl.traces.collator import CollateStats
 
 
@@ -75,7 +75,7 @@ def step_record(f: StepFacts) -> dict[str, Any]:
         "reward/mean": _mean([r.reward for r in f.fresh]),
         **({"reward/sampled": _sampled_reward(f)} if f.refill_on else {}),
         **rubric_means(f.fresh),
-        **({"reasoning/tokens": reasoning_tokens(f.fresh, f.think_end)} if f.think_end is not None else {}),
+        **(reasoning_stats(f.fresh, f.think_end) if f.think_end is not None else {}),
         "rollouts": len(f.fresh),
         "dropped_stale": f.counters["dropped_stale"],
         "lost_rollouts": f.counters["lost_rollouts"],

@@ -1,8 +1,8 @@
 """Teacher rounds: imperfect states to the teacher actors, their answers mined into replay pairs.
 
 Each step the answers that have come back are mined (`mine_pairs`: an action enough teachers agree
-on, unlike the student's) and the free teacher actors get the step's worst rollouts' imperfect
-states, then states of the ingested traces (`task.traces`). The controller never waits for a
+on, unlike the student's) and the free teacher actors get states drawn evenly from the step's
+imperfect rollouts, then states of the ingested traces (`task.traces`). The controller never waits for a
 teacher: a round still out is counted late and looked at again next step.
 """
 
@@ -118,19 +118,22 @@ class TeacherRounds:
         return {f"teacher/{k}": float(v) for k, v in {**self.run_totals(), **self.counts}.items()}
 
     def _states(self, rollouts: list[Rollout]) -> tuple[list[ReplayState], list[dict[str, Any]]]:
-        """Up to `states_per_step` states: the worst rollouts' imperfect states, then offline ones."""
+        """Up to `states_per_step` states: drawn evenly from every imperfect rollout's states, then
+        offline ones. Not the worst rollouts' first: those failed earliest (a guess where a lookup was
+        due, reward 0), so their pairs held only first-turn actions and, with nothing mined where the
+        teachers answer, pushed the policy off answering at all (measured in docs/concepts/losses.md)."""
         classifier = ErrorClassifier()
         budget = self.config.teachers.states_per_step
-        states, contexts = [], []
-        for r in sorted(rollouts, key=lambda r: r.reward)[:budget]:
-            if r.reward < 1.0:
-                for state in trace_states(rollout_trace(r, classifier)):
-                    states.append(state)
-                    contexts.append({"prompt": r.prompt})
-        for state in self.rng.sample(self.offline, min(len(self.offline), budget // 2)):
-            states.append(state)
-            contexts.append({})
-        return states[:budget], contexts[:budget]
+        found = [
+            (state, {"prompt": r.prompt})
+            for r in rollouts
+            if r.reward < 1.0
+            for state in trace_states(rollout_trace(r, classifier))
+        ]
+        picked = self.rng.sample(found, min(len(found), budget))
+        picked += [(state, {}) for state in self.rng.sample(self.offline, min(len(self.offline), budget // 2))]
+        picked = picked[:budget]
+        return [state for state, _ in picked], [context for _, context in picked]
 
     def run_totals(self) -> dict[str, float]:
         """Teacher counters over the run: the live actors' plus those of actors before them

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from meshrl.rollouts.advantages import check_draws, group_advantages
 from meshrl.rollouts.batches import rl_shards
-from meshrl.rollouts.episodes import Rollout, reasoning_tokens
+from meshrl.rollouts.episodes import Rollout, reasoning_stats
 from meshrl.tasks.base import Prompt
 
 
@@ -68,10 +70,20 @@ def test_a_step_whose_draws_share_a_prompt_id_is_refused_naming_the_task():
         check_draws(["b#1"], ["b#1"], "pkg.mod:Task")  # a group of the same step still in flight
 
 
-def test_reasoning_tokens_count_each_sampled_turn_through_its_think_end():
+def test_reasoning_is_measured_over_the_turns_that_closed_it():
+    """An episode that takes more turns, or a turn that never closes its reasoning, does not read as
+    shorter reasoning: closed turns are averaged, the unclosed counted apart."""
     prompt = Prompt("p", [{"role": "user", "content": "q"}])
     think_end = 9
-    # two sampled turns: one reasons for 3 tokens and closes (4 counted), one closes none (0)
+    # episode 1: a first turn that reasons 3 tokens and closes (4 counted), a second that closes none
     ids, mask = [1, 5, 5, 5, think_end, 6, 7, 2, 6, 6], [False, True, True, True, True, True, False, False, True, True]
-    rollout = Rollout(prompt, [], ids, mask, [0.0] * 10, [0] * 7)
-    assert reasoning_tokens([rollout], think_end) == 2.0
+    # episode 2: a first turn of 1 token of reasoning (2 counted), a second of 5 (6 counted)
+    ids2 = [1, 5, think_end, 6, 2, 5, 5, 5, 5, 5, think_end]
+    mask2 = [False, True, True, True, False, True, True, True, True, True, True]
+    rollouts = [
+        Rollout(prompt, [], ids, mask, [0.0] * 10, [0] * 7),
+        Rollout(prompt, [], ids2, mask2, [0.0] * 11, [0] * 9),
+    ]
+    stats = reasoning_stats(rollouts, think_end)
+    assert stats == {"reasoning/tokens": 4.0, "reasoning/first_turn_tokens": 3.0, "reasoning/unclosed": 0.25}
+    assert all(math.isnan(v) for v in reasoning_stats([], think_end).values())
