@@ -37,10 +37,13 @@ class StepRequest:
     checkpoint taken while it is in flight saves those, so a resumed run draws the same prompts
     again instead of skipping them."""
 
-    keys: list[str]
     streams_before: dict[str, Any]
     asked: list[GroupRequest]  # what it asked for: a step whose rollouts were all lost asks for it again
     groups: list[FinishedGroup] = field(default_factory=list)
+
+    @property
+    def keys(self) -> list[str]:
+        return [group.key for group in self.asked]
 
 
 @dataclass
@@ -134,7 +137,7 @@ class RolloutFeed:
         workers when the ingress is on)."""
         before = self.streams.state()
         groups = self.streams.step_groups(step, self._in_flight(step))
-        self.requests[step] = StepRequest([group.key for group in groups], before, groups)
+        self.requests[step] = StepRequest(before, groups)
         if self.ingress is not None:  # the step's first groups are offered to outside workers
             n = self.config.ingress.groups_per_step
             offered, groups = groups[:n], groups[n:]
@@ -155,7 +158,7 @@ class RolloutFeed:
         checkpoint's record of the streams (the oldest request's `streams_before`) would no longer
         say where a resumed run draws from."""
         groups = [self.streams.rekey(group, step) for group in request.asked]
-        self.requests[step] = StepRequest([group.key for group in groups], request.streams_before, groups)
+        self.requests[step] = StepRequest(request.streams_before, groups)
         self.generators.deal(step, groups)
 
     def _refill(self, request: StepRequest, step: int) -> Refill:
@@ -169,7 +172,7 @@ class RolloutFeed:
         while budget and tied and extra < budget:
             groups = self.streams.refill_groups(step, min(len(tied), budget - extra), self._in_flight(step))
             extra += len(groups)
-            self.requests[step] = StepRequest([group.key for group in groups], request.streams_before, groups)
+            self.requests[step] = StepRequest(request.streams_before, groups)
             self.generators.deal(step, groups)
             added = self._gather(step).groups
             # as in DAPO, a replaced group leaves the batch (and the loss normaliser) for the one that came back

@@ -72,17 +72,11 @@ class GeneratorLane:
             submitted = self.generators[rank].submit.call_one(rank_groups)
             while True:
                 try:
-                    submitted.get(timeout=HOST_PROBE_S)
+                    self._answer(rank, submitted, HOST_PROBE_S)
                     break
                 except TimeoutError:
                     if self._probe_host(rank):
                         break
-                except SupervisionError:
-                    self.died(rank)
-                    break
-                except ActorError as error:
-                    self._failed(rank, error)
-                    break
 
     def poll(self, wait_s: float) -> list[tuple[FinishedGroup, int, str]]:
         """The groups finished since the last poll, each with its step and lane (`generator r`);
@@ -93,17 +87,13 @@ class GeneratorLane:
                 self.takes[rank] = PendingTake(self.generators[rank].take.call_one(TAKE_WAIT_S), time.monotonic())
             pending = self.takes[rank]
             try:
-                groups = pending.future.get(timeout=wait_s)
+                groups = self._answer(rank, pending.future, wait_s)
             except TimeoutError:
                 if time.monotonic() - pending.probed > HOST_PROBE_S:
                     pending.probed = time.monotonic()
                     self._probe_host(rank)
                 continue
-            except SupervisionError:
-                self.died(rank)
-                continue
-            except ActorError as error:
-                self._failed(rank, error)
+            if groups is None:  # the rank died or failed, and was replaced
                 continue
             del self.takes[rank]
             for group in groups:
@@ -111,6 +101,17 @@ class GeneratorLane:
                 if slot is not None:
                     arrived.append((group, slot.step, f"generator {rank}"))
         return arrived
+
+    def _answer(self, rank: int, future: Any, timeout: float) -> Any:
+        """A rank's call answered within `timeout` (else TimeoutError); None when the rank died or
+        its call raised, either handled here (the rank replaced)."""
+        try:
+            return future.get(timeout=timeout)
+        except SupervisionError:
+            self.died(rank)
+        except ActorError as error:
+            self._failed(rank, error)
+        return None
 
     def died(self, rank: int) -> None:
         """Count the rank's groups in flight as lost, and replace it with one on the current

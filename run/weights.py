@@ -50,7 +50,7 @@ class WeightPublisher:
         if self.ingress is None or version == self.ingress_version:
             return
         path = self.run.root / "ingress" / f"step_{version}.safetensors"
-        self.meshes.trainers.policy_weights_file.call(str(path)).get()
+        self.meshes.trainer_value("policy_weights_file", str(path))
         self.ingress.publish(version, path)
         self.ingress_version = version
 
