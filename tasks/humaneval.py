@@ -15,7 +15,7 @@ The reward is 1 when the problem's tests pass, and the answer never shares a pro
    its program) and prints its results as one literal line.
 3. Replay (here): the line is parsed as literals only, and `check` runs again against a stub
    that answers each call with the answer's result for it. An assertion that fails, a call the
-   answer gave no result for, or a replay past `REPLAY_TIME_S` is a 0.
+   answer gave no result for, or a replay past `REPLAY_TIME_S` of CPU time is a 0.
 Whatever that process prints is only the answer's claimed outputs: any set of them is what a
 function returning chosen literals, call by call, could give, so no trick inside the sandbox
 (patched modules, frames, exits, a forged line) is worth more than writing that function.
@@ -210,12 +210,14 @@ def claimed_results(run: Run, calls: int) -> list[tuple[str, Any]] | None:
 
 
 def bounded(run: Callable[[], None], seconds: float) -> None:
-    """Run `run`, raising Refused in it once `seconds` have passed (checked at each line it runs):
-    a check is trusted code, but the numbers it loops over may be the answer's."""
-    deadline = time.monotonic() + seconds
+    """Run `run`, raising Refused in it once it has used `seconds` of this thread's CPU time (checked
+    at each line it runs): a check is trusted code, but the numbers it loops over may be the answer's.
+    CPU time, not wall time: a scorer starved by a busy host (a trainer's step, other scorers'
+    threads) must not turn a right answer into a 0."""
+    deadline = time.thread_time() + seconds
 
     def tracer(frame: types.FrameType, event: str, arg: Any) -> Callable[..., Any]:
-        if time.monotonic() > deadline:
+        if time.thread_time() > deadline:
             raise Refused(f"past {seconds} s")
         return tracer
 
