@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from meshrl.configs.schema import RunConfig
-from meshrl.inference.backends import make_engine
+from meshrl.inference.backends import EngineLimits, make_engine
 from meshrl.inference.weights import WeightLayout, unflatten_weights
 from meshrl.rollouts.chat import ChatSettings
 from meshrl.rollouts.episodes import EpisodeFormat, EpisodeLimits
@@ -34,11 +34,11 @@ class GeneratorActor(Actor):
         gpus = role_gpus(config.topology, "generator", self.rank)
         if proc_device(config.topology, "generator", self.rank).type == "cpu":  # also refuses GPUs the host lacks
             torch.set_num_threads(cpu_threads())
-        engine = make_engine(g.backend, model_path, config.model.dtype, gpus)
+        limits = EpisodeLimits.of(config)
+        sizes = EngineLimits(limits.max_tokens, g.max_concurrent_tokens, g.max_concurrent_episodes)
+        engine = make_engine(g.backend, model_path, config.model.dtype, gpus, sizes)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        episodes = EpisodeFormat(
-            tokenizer, make_task(config.task), ChatSettings.of(config.model), EpisodeLimits.of(config)
-        )
+        episodes = EpisodeFormat(tokenizer, make_task(config.task), ChatSettings.of(config.model), limits)
         self.scheduler = EpisodeScheduler(
             engine, episodes, Sampling(g.temperature, g.top_p, g.max_new_tokens),
             max_episodes=g.max_concurrent_episodes, max_tokens=g.max_concurrent_tokens,
@@ -93,3 +93,4 @@ class GeneratorActor(Actor):
         loaded = self.scheduler.load_weights(weights, version)
         if wait:
             await asyncio.to_thread(loaded.wait)
+            self.scheduler.check()  # a load that failed (the engine refuses to sample) fails this call

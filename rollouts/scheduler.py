@@ -129,11 +129,11 @@ class EpisodeScheduler:
 
     def take(self, wait_s: float) -> list[FinishedGroup]:
         """The finished groups: waits up to `wait_s` for the first, then takes whatever else is there."""
-        self._raise()
+        self.check()
         try:
             groups = [self.outbox.get(timeout=wait_s)]
         except queue.Empty:
-            self._raise()
+            self.check()
             return []
         while True:
             try:
@@ -144,7 +144,7 @@ class EpisodeScheduler:
     def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> threading.Event:
         """Stage a policy version; the engine loads it between two decode steps (a newer one
         staged before that replaces it). Returns at once, with an event set once it is loaded
-        (or replaced by a newer one)."""
+        (or replaced by a newer one, or failed: `check` raises then)."""
         loaded = threading.Event()
         with self._cond:
             if self._staged is not None:
@@ -168,7 +168,8 @@ class EpisodeScheduler:
             task.cancel()
         self.loop.stop()
 
-    def _raise(self) -> None:
+    def check(self) -> None:
+        """Raise the error that stopped the scheduler (an engine's, a task's), if one did."""
         if self.error is not None:
             raise RuntimeError(
                 f"the episode scheduler failed: {type(self.error).__name__}: {self.error}"
@@ -257,8 +258,13 @@ class EpisodeScheduler:
                     seq.release()
                 if staged is not None:
                     weights, version, loaded = staged
-                    self.engine.load_weights(weights, version)
-                    loaded.set()
+                    try:
+                        self.engine.load_weights(weights, version)
+                    except BaseException as exc:  # noqa: BLE001 - recorded before the waiter wakes, re-raised below
+                        self._fail(exc)
+                        raise
+                    finally:  # the loop stops on a failed load; its waiter learns why from `check`
+                        loaded.set()
                     self.stats.weight_updates += 1
                 if admitted:
                     self._start(admitted, batch)

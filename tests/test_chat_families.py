@@ -165,9 +165,11 @@ def scripted(episodes: EpisodeFormat, family: Family) -> Rollout:
     return rollout
 
 
-def memorised(tok: PreTrainedTokenizerFast, rollout: Rollout, directory: Path) -> Path:
+MEMORISER = TinyModelConfig(family="qwen3", hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2)
+
+
+def memorised(tok: PreTrainedTokenizerFast, rollout: Rollout, directory: Path, spec: TinyModelConfig = MEMORISER) -> Path:
     """A tiny Qwen3 that has learned the rollout's sampled ids (near-certain at temperature 1)."""
-    spec = TinyModelConfig(family="qwen3", hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2)
     model = build_model(spec, tok)
     ids = torch.tensor([rollout.token_ids])
     targets = torch.where(torch.tensor(rollout.loss_mask), ids, -100)[:, 1:]

@@ -339,3 +339,25 @@ def test_staleness_drops_by_the_oldest_token():
     assert spanning.version == 3
     assert fresh_rollouts([spanning, fresh, old], step=6, max_off_policy_steps=2) == [fresh]
     assert fresh_rollouts([spanning, fresh, old], step=6, max_off_policy_steps=3) == [spanning, fresh]
+
+
+def test_a_weight_update_that_fails_stops_the_scheduler_and_wakes_its_waiter(tmp_path):
+    """The engine refuses the update (a wrong shape): the staged load's waiter wakes, `check` and
+    `take` raise naming it, and no token is sampled after it (the generator is then replaced)."""
+    path = ensure_tiny(tmp_path / "tiny")
+    task = PollTask()
+    sched = scheduler(str(path), task, max_new_tokens=150)
+    bad = {"lm_head.weight": torch.zeros(3, 3)}
+    try:
+        sched.submit([GroupRequest("g", task.sample_prompts(random.Random(0), 1)[0], 2, seed=3)])
+        while sched.stats.sampled_tokens < 10:
+            time.sleep(0.001)
+        assert sched.load_weights(bad, version=1).wait(timeout=30)
+        with pytest.raises(RuntimeError, match="the episode scheduler failed: ValueError: lm_head.weight: shape"):
+            sched.check()
+        sampled = sched.stats.sampled_tokens
+        with pytest.raises(RuntimeError, match="lm_head.weight"):
+            sched.take(0.5)
+        assert sched.stats.sampled_tokens == sampled and sched.engine.version == 0
+    finally:
+        sched.close()

