@@ -279,13 +279,13 @@ def test_a_tool_episode_on_a_real_template_is_the_sampled_ids_and_the_tool_turns
 
 @pytest.mark.mesh
 def test_a_run_with_the_vllm_generator_trains_on_policy_and_its_export_serves_in_vllm(tmp_path):
-    """`meshrl train --generator.backend vllm` on SmolLM2 through the meshes: each step sampled by
-    the policy it trains (mismatch KL near 0, a weight update per step), and the exported `final/`
-    served by vLLM scores as the trainer does."""
+    """`meshrl train --generator.backend vllm` on SmolLM2 through the meshes, on-policy (generation
+    waits for each new version): each step sampled by the policy it trains (mismatch KL near 0
+    after every weight update), and the exported `final/` served by vLLM scores as the trainer does."""
     out = tmp_path / "run"
     args = [*MESHRL, "train", "@", str(REPO / "configs" / "local.toml"), "@", str(REPO / "configs" / "smollm2.toml"),
             "--generator.backend", "vllm", "--task.prompts_per_step", "2", "--generator.samples_per_prompt", "2",
-            "--generator.max_new_tokens", "8", "--max-steps", "3", "--metrics.progress", "plain",
+            "--generator.max_new_tokens", "8", "--generator.max_async_level", "0", "--max-steps", "3", "--metrics.progress", "plain",
             "--output-dir", str(out)]  # fmt: skip
     done = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=REPO, env=ENV)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
