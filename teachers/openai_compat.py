@@ -116,6 +116,32 @@ class OpenAITeacher:
             self.stats.add(failures=1)
             return None
 
+    def check_tools(self) -> None:
+        """At start-up, for a teacher given tools: an endpoint that refuses requests with tools
+        (vLLM without `--enable-auto-tool-choice --tool-call-parser`) is refused now, naming what
+        to change, instead of counted as a failure on every call of the run. One request of one
+        token (paid like any); an endpoint down or busy now is left to the calls, which retry."""
+        if not self.tools:
+            return
+        probe = {"model": self.cfg.model, "messages": [{"role": "user", "content": "Hello."}], "tools": self.tools,
+                 "temperature": 0, "max_tokens": 1}  # fmt: skip
+        try:
+            response = self._client.post(self._url, json=probe, headers=self._headers(), timeout=self.cfg.timeout_s)
+        except httpx.TransportError:
+            return
+        if response.status_code == 400 and "tool" in response.text.lower():
+            raise ValueError(
+                f"teacher {self.name!r}: {self.cfg.base_url} refuses requests with tools (HTTP 400: "
+                f"{_error_message(response)}). The task declares tools, so the teacher must take them: a vLLM server "
+                "needs --enable-auto-tool-choice and the --tool-call-parser of its model (hermes for Qwen2.5/Qwen3)"
+            )
+        try:
+            body = response.json() if response.is_success else None
+        except ValueError:  # an unusable answer: the calls will count it
+            return
+        if isinstance(body, dict) and isinstance(body.get("usage"), Mapping):
+            self._charge(body["usage"])
+
     def _charge(self, usage: Mapping[str, Any]) -> None:
         """Bill the tokens even when the answer then turns out unusable: they were paid for."""
         usd = (
@@ -170,6 +196,17 @@ class OpenAITeacher:
             )
             return self.cfg.timeout_s
         return asked
+
+
+def _error_message(response: httpx.Response) -> str:
+    """The error's message from an OpenAI-style error body (vLLM's too), at most 300 characters."""
+    try:
+        body = response.json()
+        error = body.get("error", body) if isinstance(body, dict) else {}
+        message = error.get("message") if isinstance(error, dict) else error
+    except ValueError:
+        message = response.text
+    return str(message)[:300]
 
 
 def _wire(messages: Sequence[Mapping[str, Any]]) -> list[Message]:

@@ -109,7 +109,9 @@ def make_teachers(config: RunConfig, meter: CostMeter, device: str = "cpu") -> l
     teachers: list[Teacher] = []
     for spec in config.teachers.members:
         if spec.backend == "openai":
-            teachers.append(OpenAITeacher(spec, meter=meter, tools=tools))
+            teacher = OpenAITeacher(spec, meter=meter, tools=tools)
+            teacher.check_tools()
+            teachers.append(teacher)
         elif spec.backend == "hf":
             generate = hf_generate_fn(spec.path, device, tools=tools, tool_parser=spec.tool_parser)
             teachers.append(HFTeacher(spec, generate))
