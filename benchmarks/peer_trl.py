@@ -226,7 +226,9 @@ def main() -> None:
     )
     parser.add_argument("--zero-advantage-tokens", choices=["drop", "count"], default="drop",
                         help="meshrl's trainer.zero_advantage_tokens ('count' is TRL's normaliser)")  # fmt: skip
-    parser.add_argument("--vllm", action="store_true", help="also run meshrl with generator.backend = vllm (its CPU build)")
+    parser.add_argument(
+        "--vllm", action="store_true", help="also run meshrl with generator.backend = vllm (its CPU build)"
+    )
     parser.add_argument("--lockstep", action="store_true",
                         help="instead: meshrl's trainer steps on TRL's own batches; prints the weight gap per step")  # fmt: skip
     parser.add_argument("--out", default="runs/peer_trl")

@@ -260,7 +260,7 @@ class EpisodeScheduler:
                     weights, version, loaded = staged
                     try:
                         self.engine.load_weights(weights, version)
-                    except BaseException as exc:  # noqa: BLE001 - recorded before the waiter wakes, re-raised below
+                    except BaseException as exc:
                         self._fail(exc)
                         raise
                     finally:  # the loop stops on a failed load; its waiter learns why from `check`

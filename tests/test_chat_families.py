@@ -168,7 +168,9 @@ def scripted(episodes: EpisodeFormat, family: Family) -> Rollout:
 MEMORISER = TinyModelConfig(family="qwen3", hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2)
 
 
-def memorised(tok: PreTrainedTokenizerFast, rollout: Rollout, directory: Path, spec: TinyModelConfig = MEMORISER) -> Path:
+def memorised(
+    tok: PreTrainedTokenizerFast, rollout: Rollout, directory: Path, spec: TinyModelConfig = MEMORISER
+) -> Path:
     """A tiny Qwen3 that has learned the rollout's sampled ids (near-certain at temperature 1)."""
     model = build_model(spec, tok)
     ids = torch.tensor([rollout.token_ids])

@@ -30,7 +30,7 @@ from meshrl.teachers.cost import CostMeter
 from meshrl.teachers.hf import HFTeacher
 from meshrl.teachers.openai_compat import OpenAITeacher, retry_after_s
 from meshrl.teachers.oracle import OracleTeacher
-from meshrl.teachers.replay import replay_states
+from meshrl.teachers.replay import make_teachers, replay_states
 from meshrl.traces.schema import ToolCall, TraceExample, Turn
 
 pytestmark = pytest.mark.network  # OpenAI-compatible endpoints served on loopback
@@ -74,6 +74,19 @@ RESPONSES: dict[str, tuple[int, bytes]] = {
     "garbage": (200, b"<html>502 Bad Gateway</html>"),
     "no_choices": (200, json.dumps({"id": "x", "choices": []}).encode()),
     "bad_arguments": (200, completion({"role": "assistant", "content": "", "tool_calls": [CUT_CALL]})),
+    # vLLM's answer to tools when started without --enable-auto-tool-choice / --tool-call-parser
+    "no_tools": (
+        400,
+        json.dumps(
+            {
+                "error": {
+                    "message": '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
+                    "type": "BadRequestError",
+                    "code": 400,
+                }
+            }
+        ).encode(),
+    ),
 }
 
 
@@ -225,6 +238,30 @@ def test_the_tasks_tool_schemas_are_sent_and_native_calls_read(endpoint, client)
     make_teacher(endpoint, client).act(STATE, None)
     assert "tools" not in endpoint.requests[1]["body"]  # a task without tools sends none
     assert OpenAITeacher(cfg, client).identity != teacher.identity  # answers with and without tools cached apart
+
+
+def test_a_run_refuses_at_start_up_an_endpoint_that_cannot_take_the_tasks_tools(endpoint):
+    """make_teachers (the teacher mesh's start-up) probes a teacher given tools once: a 400 about
+    tools stops the run there, naming the server flags; an endpoint down at start-up is left to the
+    calls (which retry and count failures); a paid probe is charged."""
+    member = {"backend": "openai", "name": "gpt", "base_url": endpoint.base_url, "model": "m", "api_key_env": KEY_ENV,
+              "max_retries": 0, "usd_per_mtok_in": 1.0}  # fmt: skip
+    config = load_config([]).model_copy(deep=True)  # the toy task: its `lookup` tool
+    config.teachers.min_agree = 1
+    config.teachers.members = [OpenAITeacherConfig(**member)]
+    endpoint.script = ["no_tools"]
+    with pytest.raises(ValueError, match="refuses requests with tools .*--enable-auto-tool-choice"):
+        make_teachers(config, CostMeter(10.0))
+    assert (
+        endpoint.requests[0]["body"]["tools"] == task_tools(ToolTask())
+        and endpoint.requests[0]["body"]["max_tokens"] == 1
+    )
+    endpoint.script = ["500"]
+    (down,) = make_teachers(config, CostMeter(10.0))
+    assert down.stats.failures == 0
+    meter = CostMeter(10.0)
+    (up,) = make_teachers(config, meter)
+    assert up.stats.usd_spent == pytest.approx(1000 / 1e6) and len(endpoint.requests) == 3
 
 
 def test_no_key_env_sends_no_authorization(endpoint, client):

