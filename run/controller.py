@@ -98,6 +98,7 @@ class Controller:
         self.weights = WeightPublisher(cfg, self.run, meshes, self.ingress)
         self.generators = GeneratorLane(meshes.generators, meshes.generator_alive, self.weights)
         self.weights.on_dead = self.generators.died  # a generator found dead while its load settles
+        self.weights.on_failed = self.generators.failed  # one whose load raised (its engine refuses to sample)
         self.feed = RolloutFeed(cfg, self.streams, self.generators, self.ingress, self.timeline)
         self.teachers = TeacherRounds(cfg, meshes, self.offline_states, self.timeline)
         self.checkpointer = Checkpointer(cfg, self.run, meshes.trainers, self.timeline)

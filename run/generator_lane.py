@@ -110,7 +110,7 @@ class GeneratorLane:
         except SupervisionError:
             self.died(rank)
         except ActorError as error:
-            self._failed(rank, error)
+            self.failed(rank, error)
         return None
 
     def died(self, rank: int) -> None:
@@ -132,7 +132,7 @@ class GeneratorLane:
         self.died(rank)
         return True
 
-    def _failed(self, rank: int, error: ActorError) -> None:
+    def failed(self, rank: int, error: ActorError) -> None:
         """A rank's call raised: it is replaced like a dead one, and its groups are dealt again,
         once (a group that fails a second generator is counted lost, so no deterministic failure loops)."""
         self.errors += 1

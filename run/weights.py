@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from monarch.actor import ActorError
+
 from meshrl.configs.schema import RunConfig
 from meshrl.ingress.server import IngressServer
 from meshrl.run.meshes import Meshes
@@ -24,8 +26,9 @@ from meshrl.topology.faults import RunStopped, SupervisionError
 class WeightPublisher:
     """Policy versions from trainer rank 0 to every generator rank (and the ingress's copy).
 
-    `on_dead(rank)` is called for a generator found dead while its load was settled (the rollout
-    feed owns what it had in flight); it is set once the feed exists."""
+    `on_dead(rank)` is called for a generator found dead while its load was settled, `on_failed(rank,
+    error)` for one whose load raised (its engine refuses to sample: replaced like a failed rank);
+    the rollout feed owns what they had in flight, and sets both once it exists."""
 
     def __init__(self, config: RunConfig, run: RunDir, meshes: Meshes, ingress: IngressServer | None) -> None:
         self.config, self.run, self.meshes, self.ingress = config, run, meshes, ingress
@@ -33,6 +36,7 @@ class WeightPublisher:
         self.version = 0  # the newest version published to the generators
         self.ingress_version = -1  # the newest version handed to the ingress
         self.on_dead: Callable[[int], None] = lambda rank: None
+        self.on_failed: Callable[[int, ActorError], None] = lambda rank, error: None
 
     def publish(self, version: int, wait: bool = False) -> float:
         """The new policy to every generator and to the ingress (for outside workers and the
@@ -66,15 +70,23 @@ class WeightPublisher:
             raise RunStopped(
                 f"generator rank {rank} died again right after it was replaced; see the worker's log"
             ) from None
+        except ActorError as error:
+            raise RunStopped(
+                f"generator rank {rank} could not load policy version {self.version} right after it was replaced: "
+                f"{str(error).strip().splitlines()[-1]}"
+            ) from None
 
     def settle(self) -> None:
-        """Wait for the weight loads in flight; a generator that died meanwhile goes to `on_dead`."""
+        """Wait for the weight loads in flight; a generator that died meanwhile goes to `on_dead`,
+        one whose load raised to `on_failed`."""
         while self.pulls:
             rank, future = self.pulls.popitem()
             try:
                 future.get()
             except SupervisionError:
                 self.on_dead(rank)
+            except ActorError as error:
+                self.on_failed(rank, error)
 
     def _load(self, ranks: list[int], version: int, wait: bool) -> None:
         """Trainer rank 0's weights → these generator ranks, through the trainer's registered RDMA

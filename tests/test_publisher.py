@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from monarch.actor import ActorError
 from safetensors.torch import load_file
 
 from meshrl.configs.loader import load_config
@@ -30,10 +31,12 @@ class _Done:
 
 
 class EngineGenerator:
-    """A generator rank's weight endpoints over a real engine; `dead`: its calls fail as a dead actor's."""
+    """A generator rank's weight endpoints over a real engine; `dead`: its calls fail as a dead
+    actor's; `garbled`: the file it reads has a weight of the wrong shape, so its engine refuses the
+    load and the call fails as an endpoint that raised."""
 
-    def __init__(self, model: Path, dead: bool = False) -> None:
-        self.engine, self.dead = HFEngine.from_pretrained(str(model)), dead
+    def __init__(self, model: Path, dead: bool = False, garbled: bool = False) -> None:
+        self.engine, self.dead, self.garbled = HFEngine.from_pretrained(str(model)), dead, garbled
         self.read_weights = self  # call_one(path, version, wait)
 
     def call_one(self, path: str, version: int, wait: bool) -> _Done:
@@ -42,15 +45,23 @@ class EngineGenerator:
     def _read(self, path: str, version: int) -> None:
         if self.dead:
             raise SupervisionError("generator actor died")
-        self.engine.load_weights(load_file(path), version)
+        weights = load_file(path)
+        if self.garbled:
+            weights["model.norm.weight"] = torch.ones(3)
+        try:
+            self.engine.load_weights(weights, version)
+        except Exception as error:  # noqa: BLE001 - what Monarch hands the caller of an endpoint that raised
+            raise ActorError(error) from None
 
 
 class FakeMeshes:
     """Trainer rank 0 with `weights` (the policy) and a generator pool of real engines; a replaced
     rank gets a fresh engine (the model's initial weights), dead again if `replacement_dies`."""
 
-    def __init__(self, model: Path, ranks: int, replacement_dies: bool = False) -> None:
-        self.model, self.replacement_dies = model, replacement_dies
+    def __init__(
+        self, model: Path, ranks: int, replacement_dies: bool = False, replacement_garbled: bool = False
+    ) -> None:
+        self.model, self.replacement_dies, self.replacement_garbled = model, replacement_dies, replacement_garbled
         self.generators = [EngineGenerator(model) for _ in range(ranks)]
         self.weights = {k: v.clone() for k, v in self.generators[0].engine.model.state_dict().items()}
         self.replaced: list[int] = []
@@ -61,7 +72,7 @@ class FakeMeshes:
         return path
 
     def replace(self, pool: list[EngineGenerator], rank: int) -> None:
-        pool[rank] = EngineGenerator(self.model, dead=self.replacement_dies)
+        pool[rank] = EngineGenerator(self.model, dead=self.replacement_dies, garbled=self.replacement_garbled)
         self.replaced.append(rank)
 
     def step(self) -> None:
@@ -110,4 +121,26 @@ def test_a_replacement_that_dies_at_once_stops_the_run(tmp_path, model):
     meshes = FakeMeshes(model, ranks=1, replacement_dies=True)
     publisher = _publisher(tmp_path, meshes)
     with pytest.raises(RunStopped, match="generator rank 0 died again right after it was replaced"):
+        publisher.reload(0)
+
+
+def test_a_generator_whose_load_fails_is_replaced_on_the_current_version(tmp_path, model):
+    """The engine refused the version (its endpoint raised): the rollout feed's `failed` handler gets
+    the rank (it replaces it and deals its groups again); here it reloads it, as `died` does."""
+    meshes = FakeMeshes(model, ranks=2)
+    publisher = _publisher(tmp_path, meshes)
+    failed: list[int] = []
+    publisher.on_failed = lambda rank, error: (failed.append(rank), publisher.reload(rank))
+    meshes.step()
+    meshes.generators[0].garbled = True
+    publisher.publish(1, wait=True)
+    assert failed == [0] and meshes.replaced == [0] and all(_serves(g, meshes, 1) for g in meshes.generators)
+
+
+def test_a_replacement_that_cannot_load_the_current_version_stops_the_run_naming_it(tmp_path, model):
+    meshes = FakeMeshes(model, ranks=1, replacement_garbled=True)
+    publisher = _publisher(tmp_path, meshes)
+    with pytest.raises(
+        RunStopped, match=r"generator rank 0 could not load policy version 0 right after it was replaced: .*norm"
+    ):
         publisher.reload(0)
