@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import random
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +108,12 @@ def checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def model_positions(path: str | Path) -> int | None:
+    """The model's `max_position_embeddings` (None where its config does not say)."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    return config.get("text_config", config).get("max_position_embeddings")
+
+
 def kv_bytes_per_token(path: str | Path, dtype: str) -> int:
     """Bytes of KV cache one token takes: keys and values of every layer's KV heads."""
     config = json.loads((Path(path) / "config.json").read_text())
@@ -140,11 +148,19 @@ class VLLMEngine:
 
         if kv_tokens is not None:
             llm_kwargs["kv_cache_memory_bytes"] = kv_tokens * kv_bytes_per_token(path, dtype)
+        if max_model_len is not None:  # no request outgrows the model's positions (vLLM refuses a longer cap)
+            max_model_len = min(max_model_len, model_positions(path) or max_model_len)
         self._shapes = checkpoint_shapes(path)
         # processed_logprobs: logprobs after temperature and top-p (temperature-1 for greedy),
         # the distribution each token was drawn from, as HFEngine reports them.
-        self._llm = LLM(model=path, dtype=dtype, seed=seed, logprobs_mode="processed_logprobs",
-                        max_model_len=max_model_len, **llm_kwargs)  # fmt: skip
+        # Every call into vLLM runs on this one thread, the one that built the engine: the CPU
+        # build's attention kernels check the OpenMP thread count its set-up saw, and a caller's
+        # thread (the episode scheduler's) may have another ("thread_num 2 vs. 1").
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="vllm")
+        self._llm = self.on_engine_thread(
+            LLM, model=path, dtype=dtype, seed=seed, logprobs_mode="processed_logprobs", max_model_len=max_model_len,
+            **llm_kwargs,
+        )  # fmt: skip
         self._version = 0
         self._broken: str | None = None  # why the engine refuses to sample, once an update failed part-way
 
@@ -172,7 +188,7 @@ class VLLMEngine:
             )
         weights = ((name, state_dict[name]) for name in self._shapes)
         try:
-            self._llm.collective_rpc(reload_into_worker, args=(weights,))
+            self.on_engine_thread(self._llm.collective_rpc, reload_into_worker, args=(weights,))
         except Exception as exc:
             self._broken = (
                 f"the update to policy version {version} failed part-way ({type(exc).__name__}: {exc}); "
@@ -183,6 +199,10 @@ class VLLMEngine:
         # on carry the new version's cache salt. A request already running keeps its KV, as the HF
         # engine's episodes do.
         self._version = version
+
+    def on_engine_thread(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)` on the engine's own thread, waited for."""
+        return self._thread.submit(fn, *args, **kwargs).result()
 
     def _serving(self) -> None:
         if self._broken is not None:
@@ -218,7 +238,8 @@ class VLLMEngine:
             kwargs = to_sampling_kwargs(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
                                         stop_token_ids=stop_token_ids, seed=seq.rng.getrandbits(63))  # fmt: skip
             params = SamplingParams(**kwargs, output_kind=RequestOutputKind.DELTA)
-            self._llm.llm_engine.add_request(seq.request_id, to_prompt_inputs([seq.ids], self._version)[0], params)
+            prompt = to_prompt_inputs([seq.ids], self._version)[0]
+            self.on_engine_thread(self._llm.llm_engine.add_request, seq.request_id, prompt, params)
         return [True] * len(seqs)
 
     def generate(
@@ -274,7 +295,7 @@ class VLLMBatch:
         """One engine step; returns the sequences whose turn ended."""
         self.engine._serving()
         ended = []
-        for output in self.engine._llm.llm_engine.step():
+        for output in self.engine.on_engine_thread(self.engine._llm.llm_engine.step):
             seq = self.running[output.request_id]
             if add_output(seq.turn, output, self.engine.version):
                 seq.ids += seq.turn.completion_ids
