@@ -9,9 +9,11 @@ request/response mapping lives in pure functions that are tested without vLLM.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -92,6 +94,15 @@ def reload_into_worker(worker: Any, weights: Any) -> None:
             module.quant_method.process_weights_after_loading(module)
 
 
+def flask_proxies_bound() -> contextlib.AbstractContextManager[Any]:
+    """A Flask request context while vLLM starts, where Flask is loaded (Monarch's dashboard loads
+    it with `monarch.job`). The CPU build scans every loaded module's attributes when it registers
+    its kernel overrides, and Flask's `current_app`/`request` proxies raise RuntimeError there
+    outside a context, which stopped the engine's start in any process that had imported them."""
+    flask = sys.modules.get("flask")
+    return contextlib.nullcontext() if flask is None else flask.Flask("meshrl-vllm").test_request_context()
+
+
 class EngineBroken(RuntimeError):
     """A weight update failed part-way: the engine holds some layers of each version, so it refuses
     to sample (a generator replaced with a fresh engine serves again)."""
@@ -157,10 +168,13 @@ class VLLMEngine:
         # build's attention kernels check the OpenMP thread count its set-up saw, and a caller's
         # thread (the episode scheduler's) may have another ("thread_num 2 vs. 1").
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="vllm")
-        self._llm = self.on_engine_thread(
-            LLM, model=path, dtype=dtype, seed=seed, logprobs_mode="processed_logprobs", max_model_len=max_model_len,
-            **llm_kwargs,
-        )  # fmt: skip
+
+        def start() -> Any:
+            with flask_proxies_bound():  # on this thread: Flask's contexts are per thread
+                return LLM(model=path, dtype=dtype, seed=seed, logprobs_mode="processed_logprobs",
+                           max_model_len=max_model_len, **llm_kwargs)  # fmt: skip
+
+        self._llm = self.on_engine_thread(start)
         self._version = 0
         self._broken: str | None = None  # why the engine refuses to sample, once an update failed part-way
 

@@ -117,11 +117,13 @@ class OpenAITeacher:
             return None
 
     def check_tools(self) -> None:
-        """At start-up, for a teacher given tools: an endpoint that refuses requests with tools
-        (vLLM without `--enable-auto-tool-choice --tool-call-parser`) is refused now, naming what
-        to change, instead of counted as a failure on every call of the run. One request of one
-        token (paid like any); an endpoint down or busy now is left to the calls, which retry."""
-        if not self.tools:
+        """At start-up, for an unpaid teacher (a server of the user's own) given tools: an endpoint
+        that refuses requests with tools (vLLM without `--enable-auto-tool-choice
+        --tool-call-parser`) is refused now, naming what to change, instead of counted as a failure
+        on every call of the run. One request of one token; an endpoint down or busy now is left to
+        the calls, which retry. A paid API is not asked: it takes tools, and nothing is spent
+        outside the run's ceiling."""
+        if not self.tools or self._paid:
             return
         probe = {"model": self.cfg.model, "messages": [{"role": "user", "content": "Hello."}], "tools": self.tools,
                  "temperature": 0, "max_tokens": 1}  # fmt: skip
@@ -135,12 +137,6 @@ class OpenAITeacher:
                 f"{_error_message(response)}). The task declares tools, so the teacher must take them: a vLLM server "
                 "needs --enable-auto-tool-choice and the --tool-call-parser of its model (hermes for Qwen2.5/Qwen3)"
             )
-        try:
-            body = response.json() if response.is_success else None
-        except ValueError:  # an unusable answer: the calls will count it
-            return
-        if isinstance(body, dict) and isinstance(body.get("usage"), Mapping):
-            self._charge(body["usage"])
 
     def _charge(self, usage: Mapping[str, Any]) -> None:
         """Bill the tokens even when the answer then turns out unusable: they were paid for."""

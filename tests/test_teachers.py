@@ -241,11 +241,12 @@ def test_the_tasks_tool_schemas_are_sent_and_native_calls_read(endpoint, client)
 
 
 def test_a_run_refuses_at_start_up_an_endpoint_that_cannot_take_the_tasks_tools(endpoint):
-    """make_teachers (the teacher mesh's start-up) probes a teacher given tools once: a 400 about
-    tools stops the run there, naming the server flags; an endpoint down at start-up is left to the
-    calls (which retry and count failures); a paid probe is charged."""
+    """make_teachers (the teacher mesh's start-up) probes an unpaid teacher given tools once: a 400
+    about tools stops the run there, naming the server flags; an endpoint down at start-up is left
+    to the calls (which retry and count failures); a paid API is never probed (nothing is spent
+    outside the run's ceiling)."""
     member = {"backend": "openai", "name": "gpt", "base_url": endpoint.base_url, "model": "m", "api_key_env": KEY_ENV,
-              "max_retries": 0, "usd_per_mtok_in": 1.0}  # fmt: skip
+              "max_retries": 0}  # fmt: skip
     config = load_config([]).model_copy(deep=True)  # the toy task: its `lookup` tool
     config.teachers.min_agree = 1
     config.teachers.members = [OpenAITeacherConfig(**member)]
@@ -259,9 +260,12 @@ def test_a_run_refuses_at_start_up_an_endpoint_that_cannot_take_the_tasks_tools(
     endpoint.script = ["500"]
     (down,) = make_teachers(config, CostMeter(10.0))
     assert down.stats.failures == 0
-    meter = CostMeter(10.0)
-    (up,) = make_teachers(config, meter)
-    assert up.stats.usd_spent == pytest.approx(1000 / 1e6) and len(endpoint.requests) == 3
+    (up,) = make_teachers(config, CostMeter(10.0))
+    assert up.stats == TeacherStats() and len(endpoint.requests) == 3
+    config.teachers.members = [OpenAITeacherConfig(**member, usd_per_mtok_in=1.0)]
+    endpoint.script = ["no_tools"]
+    make_teachers(config, CostMeter(10.0))
+    assert len(endpoint.requests) == 3  # a paid API: not asked
 
 
 def test_no_key_env_sends_no_authorization(endpoint, client):

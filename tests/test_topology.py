@@ -211,10 +211,11 @@ def test_roles_take_consecutive_gpu_ranges_on_each_host():
             proc_device(topology, "trainer", 1)
 
 
-def test_vllm_generators_need_exactly_one_gpu_each():
-    with pytest.raises(ConfigError, match="gpus_per_proc = 1"):
-        load_config(["--generator.backend", "vllm"])
+def test_vllm_generators_run_on_one_gpu_each_or_on_the_cpu():
+    with pytest.raises(ConfigError, match=r"gpus_per_proc = 1 \(vLLM's GPU build\) or 0 \(its CPU build\), got 2"):
+        load_config(["--generator.backend", "vllm", "--topology.generator.gpus_per_proc", "2"])
     assert load_config(["--generator.backend", "vllm", "--topology.generator.gpus_per_proc", "1"])
+    assert load_config(["--generator.backend", "vllm"])  # the CPU build
 
 
 def test_cpu_processes_take_every_core_and_their_idle_openmp_workers_sleep(monkeypatch):
