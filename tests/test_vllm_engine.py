@@ -1,5 +1,7 @@
 """VLLMEngine: its request/response mapping on data shaped like vLLM's outputs, then the real engine
-(vLLM's CPU build, eager) on SmolLM2-135M-Instruct and on a tiny Qwen3 under its real template.
+(vLLM's CPU build, eager) on SmolLM2-135M-Instruct and on a tiny Qwen3 under its real template. A
+run through the meshes with it, and its export served, are in tests/test_gguf.py (the SmolLM2
+preset samples with vLLM).
 
 The real-engine tests share one engine and run in this file's order: the last one breaks its
 engine on purpose, and a process whose vLLM update failed part-way starts no sound engine after
@@ -16,8 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from e2e import ENV, MESHRL, REPO, records
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from meshrl.configs.schema import TinyModelConfig
 from meshrl.inference.completion import Completion, request_seeds
@@ -283,33 +284,6 @@ def test_a_tool_episode_on_a_real_template_is_the_sampled_ids_and_the_tool_turns
         scored = sequence_token_logprobs(model, ids)[0][torch.tensor(rollout.loss_mask)]
     got = torch.tensor([lp for lp, m in zip(rollout.logprobs, rollout.loss_mask) if m])
     torch.testing.assert_close(got, scored, rtol=0, atol=1e-3)  # later turns prefilled from the prefix cache
-
-
-@pytest.mark.mesh
-def test_a_run_with_the_vllm_generator_trains_on_policy_and_its_export_serves_in_vllm(tmp_path):
-    """`meshrl train --generator.backend vllm` on SmolLM2 through the meshes, on-policy (generation
-    waits for each new version): each step sampled by the policy it trains (mismatch KL near 0
-    after every weight update), and the exported `final/` served by vLLM scores as the trainer does."""
-    out = tmp_path / "run"
-    args = [*MESHRL, "train", "@", str(REPO / "configs" / "local.toml"), "@", str(REPO / "configs" / "smollm2.toml"),
-            "--generator.backend", "vllm", "--task.prompts_per_step", "2", "--generator.samples_per_prompt", "2",
-            "--generator.max_new_tokens", "8", "--generator.max_async_level", "0", "--max-steps", "3", "--metrics.progress", "plain",
-            "--output-dir", str(out)]  # fmt: skip
-    done = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=REPO, env=ENV)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    metrics = records(out)
-    assert [r["step"] for r in metrics] == [0, 1, 2] and all(r["rollouts"] == 4 for r in metrics)
-    assert all(r["unmasked_mismatch_kl"] < 1e-4 for r in metrics), [r["unmasked_mismatch_kl"] for r in metrics]
-    served = cpu_engine(out / "final")
-    trained = AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32).eval()
-    start = AutoModelForCausalLM.from_pretrained(out / "gguf_model", dtype=torch.float32)
-    assert not torch.equal(trained.lm_head.weight, start.lm_head.weight)
-    tok = AutoTokenizer.from_pretrained(out / "final")
-    prompt = tok.apply_chat_template([{"role": "user", "content": "Name a prime."}], add_generation_prompt=True)
-    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
-    assert (
-        worst_gap(trained, served.generate([prompt], temperature=0.7, top_p=1.0, max_new_tokens=16, seed=0), 0.7) < 1e-3
-    )
 
 
 def test_an_outside_rollout_worker_on_vllm_is_never_rejected(tmp_path):
