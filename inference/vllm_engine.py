@@ -103,6 +103,19 @@ def flask_proxies_bound() -> contextlib.AbstractContextManager[Any]:
     return contextlib.nullcontext() if flask is None else flask.Flask("meshrl-vllm").test_request_context()
 
 
+def forget_broken_rotary_embeddings() -> None:
+    """vLLM shares rotary-embedding modules between the engines of a process (a cache keyed by their
+    shape); a reload that failed part-way leaves a shared one's tables on `meta`, and every engine
+    started later in the process inherited them ("Cannot copy out of meta tensor"). Those are
+    dropped from the cache (vLLM's private `_ROPE_DICT`, absent in other versions: nothing to do)."""
+    from vllm.model_executor.layers import rotary_embedding
+
+    cache = getattr(rotary_embedding, "_ROPE_DICT", {})
+    for key, rope in list(cache.items()):
+        if any(tensor.is_meta for tensor in rope.buffers()):
+            del cache[key]
+
+
 class EngineBroken(RuntimeError):
     """A weight update failed part-way: the engine holds some layers of each version, so it refuses
     to sample (a generator replaced with a fresh engine serves again)."""
@@ -204,6 +217,7 @@ class VLLMEngine:
         try:
             self.on_engine_thread(self._llm.collective_rpc, reload_into_worker, args=(weights,))
         except Exception as exc:
+            forget_broken_rotary_embeddings()
             self._broken = (
                 f"the update to policy version {version} failed part-way ({type(exc).__name__}: {exc}); "
                 f"the engine holds parts of versions {self._version} and {version} and samples no more"
