@@ -132,16 +132,14 @@ def checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def model_positions(path: str | Path) -> int | None:
-    """The model's `max_position_embeddings` (None where its config does not say)."""
+def text_config(path: str | Path) -> dict[str, Any]:
+    """The model directory's config.json (its text model's part, for multimodal configs)."""
     config = json.loads((Path(path) / "config.json").read_text())
-    return config.get("text_config", config).get("max_position_embeddings")
+    return config.get("text_config", config)
 
 
-def kv_bytes_per_token(path: str | Path, dtype: str) -> int:
+def kv_bytes_per_token(config: dict[str, Any], dtype: str) -> int:
     """Bytes of KV cache one token takes: keys and values of every layer's KV heads."""
-    config = json.loads((Path(path) / "config.json").read_text())
-    config = config.get("text_config", config)
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
     element = 4 if dtype == "float32" else 2
@@ -170,10 +168,11 @@ class VLLMEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
 
+        config = text_config(path)
         if kv_tokens is not None:
-            llm_kwargs["kv_cache_memory_bytes"] = kv_tokens * kv_bytes_per_token(path, dtype)
+            llm_kwargs["kv_cache_memory_bytes"] = kv_tokens * kv_bytes_per_token(config, dtype)
         if max_model_len is not None:  # no request outgrows the model's positions (vLLM refuses a longer cap)
-            max_model_len = min(max_model_len, model_positions(path) or max_model_len)
+            max_model_len = min(max_model_len, config.get("max_position_embeddings") or max_model_len)
         self._shapes = checkpoint_shapes(path)
         # processed_logprobs: logprobs after temperature and top-p (temperature-1 for greedy),
         # the distribution each token was drawn from, as HFEngine reports them.

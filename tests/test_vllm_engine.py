@@ -21,7 +21,14 @@ from transformers import AutoModelForCausalLM
 
 from meshrl.configs.schema import TinyModelConfig
 from meshrl.inference.completion import Completion, request_seeds
-from meshrl.inference.vllm_engine import EngineBroken, VLLMEngine, add_output, to_prompt_inputs, to_sampling_kwargs
+from meshrl.inference.vllm_engine import (
+    EngineBroken,
+    VLLMEngine,
+    add_output,
+    kv_bytes_per_token,
+    to_prompt_inputs,
+    to_sampling_kwargs,
+)
 from meshrl.ingress.worker import RolloutWorker
 from meshrl.loss_adapters.logprobs import sequence_token_logprobs
 from meshrl.models.gguf import ensure_gguf
@@ -152,6 +159,13 @@ def test_outputs_that_break_the_contract_are_refused():
         complete([1], request_output([1], [7], [-0.5], finish_reason="abort"))
     with pytest.raises(ValueError, match="different prompt"):
         complete([1, 2], request_output([2, 1], [7], [-0.5]))
+
+
+def test_the_kv_cache_is_sized_per_token_from_the_models_shape():
+    """SmolLM2-135M in float32: 30 layers × keys and values × 3 KV heads × 64 dims × 4 bytes."""
+    smollm2 = {"num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3}
+    assert kv_bytes_per_token(smollm2, "float32") == 46080 and kv_bytes_per_token(smollm2, "bfloat16") == 23040
+    assert kv_bytes_per_token({**smollm2, "head_dim": 128}, "bfloat16") == 30 * 2 * 3 * 128 * 2
 
 
 # ---------------------------------------------------------------- the real engine (vLLM's CPU build)
