@@ -191,15 +191,9 @@ def memorised(
     return directory
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def episode(request, tmp_path_factory):
-    family = FAMILIES[request.param]
-    tok = family_tokenizer(family)
-    episodes = EpisodeFormat(tok, TASK, family.settings)
-    expected = scripted(episodes, family)
-    path = memorised(tok, expected, tmp_path_factory.mktemp(request.param))
-    engine = HFEngine.from_pretrained(str(path))
-    sched = EpisodeScheduler(engine, episodes, Sampling(1.0, 1.0, 96), max_episodes=2, max_tokens=100_000)
+def sampled_episode(engine, episodes: EpisodeFormat, max_tokens: int = 100_000) -> Rollout:
+    """PROMPT's episode sampled by `engine` through the real scheduler (temperature 1, seed 0)."""
+    sched = EpisodeScheduler(engine, episodes, Sampling(1.0, 1.0, 96), max_episodes=2, max_tokens=max_tokens)
     try:
         sched.submit([GroupRequest("g", PROMPT, 1, seed=0)])
         deadline, done = time.monotonic() + 120, []
@@ -209,7 +203,18 @@ def episode(request, tmp_path_factory):
     finally:
         sched.close()
     (rollout,) = done[0].rollouts
-    return request.param, family, episodes, expected, rollout, engine
+    return rollout
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def episode(request, tmp_path_factory):
+    family = FAMILIES[request.param]
+    tok = family_tokenizer(family)
+    episodes = EpisodeFormat(tok, TASK, family.settings)
+    expected = scripted(episodes, family)
+    path = memorised(tok, expected, tmp_path_factory.mktemp(request.param))
+    engine = HFEngine.from_pretrained(str(path))
+    return request.param, family, episodes, expected, sampled_episode(engine, episodes), engine
 
 
 def test_the_episode_is_the_sampled_ids_plus_the_tool_turns(episode):

@@ -357,6 +357,25 @@ def forced_rollout_pair(h: Harness, lease: Lease) -> list[Rollout]:
     return [forced_rollout(h, lease, lookup_turns(lease)) for _ in range(2)]
 
 
+def worked_offers(h: Harness, worker: RolloutWorker, groups: int) -> list:
+    """Offer `groups` groups of 4, run `worker` on its own thread until the server has collected
+    them all (or 300 s, or the worker stopped), then stop it and close the harness."""
+    h.offer(groups, samples=4)
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.run, args=(stop,))
+    thread.start()
+    accepted, deadline = [], time.time() + 300
+    try:
+        while len(accepted) < groups and time.time() < deadline and thread.is_alive():
+            accepted += h.server.collect()
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        thread.join()
+        h.close()
+    return accepted
+
+
 @pytest.mark.parametrize(
     "spec,dtype,temperature",
     [(LLAMA, "float32", 1.0), (QWEN3, "bfloat16", 0.8)],
@@ -367,20 +386,8 @@ def test_honest_worker_is_never_rejected(tmp_path, spec, dtype, temperature):
     every sampled token re-scored: none rejected at the default tolerance. The README reports
     the largest mean |Δ logprob| seen (the margin under the tolerance)."""
     h = make_harness(tmp_path, spec, dtype, temperature, verify_fraction=1.0)
-    h.offer(100, samples=4)
-    stop = threading.Event()
     worker = RolloutWorker(h.client("honest"), max_groups=8, log=lambda *_: None)
-    thread = threading.Thread(target=worker.run, args=(stop,))
-    thread.start()
-    accepted, deadline = [], time.time() + 300
-    try:
-        while len(accepted) < 100 and time.time() < deadline and thread.is_alive():
-            accepted += h.server.collect()
-            time.sleep(0.05)
-    finally:
-        stop.set()
-        thread.join()
-        h.close()
+    accepted = worked_offers(h, worker, 100)
     stats = h.server.verifier.stats
     print(
         f"{dtype}: {len(stats.diffs)} episodes, {stats.checked_tokens} tokens, max mean |Δ| {stats.max_accepted_diff:.3g}"

