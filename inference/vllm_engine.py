@@ -174,14 +174,14 @@ class VLLMEngine:
         if max_model_len is not None:  # no request outgrows the model's positions (vLLM refuses a longer cap)
             max_model_len = min(max_model_len, config.get("max_position_embeddings") or max_model_len)
         self._shapes = checkpoint_shapes(path)
-        # processed_logprobs: logprobs after temperature and top-p (temperature-1 for greedy),
-        # the distribution each token was drawn from, as HFEngine reports them.
         # Every call into vLLM runs on this one thread, the one that built the engine: the CPU
         # build's attention kernels check the OpenMP thread count its set-up saw, and a caller's
         # thread (the episode scheduler's) may have another ("thread_num 2 vs. 1").
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="vllm")
 
         def start() -> Any:
+            # processed_logprobs: logprobs after temperature and top-p (temperature-1 for greedy),
+            # the distribution each token was drawn from, as HFEngine reports them.
             with flask_proxies_bound():  # on this thread: Flask's contexts are per thread
                 return LLM(model=path, dtype=dtype, seed=seed, logprobs_mode="processed_logprobs",
                            max_model_len=max_model_len, **llm_kwargs)  # fmt: skip
@@ -200,9 +200,9 @@ class VLLMEngine:
         weight or has one of another shape is refused before the engine is touched (extra names,
         such as a tied head, are left out); the load itself is vLLM's worker-side `reload_weights`
         (`reload_into_worker`), which re-runs each layer's post-load processing (the CPU build
-        repacks linear weights, so the model's own `load_weights` cannot update them in place). The version is stamped only
-        once every weight is in; a load that fails part-way leaves the engine refusing to sample
-        (EngineBroken), never serving a mix of two versions."""
+        repacks linear weights, so the model's own `load_weights` cannot update them in place).
+        The version is stamped only once every weight is in; a load that fails part-way leaves the
+        engine refusing to sample (EngineBroken), never serving a mix of two versions."""
         self._serving()
         missing = [name for name in self._shapes if name not in state_dict]
         wrong = [f"{name} {tuple(state_dict[name].shape)} (checkpoint {shape})" for name, shape in

@@ -7,7 +7,6 @@ tool call in Hermes form, which the server's parser turns into native `tool_call
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from e2e import free_address
 
 from meshrl.configs.schema import OpenAITeacher as OpenAITeacherConfig
 from meshrl.configs.schema import TinyModelConfig
@@ -28,20 +28,15 @@ pytestmark = [pytest.mark.network, pytest.mark.mesh]
 TOOL_FLAGS = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _serve(model: Path, flags: list[str], log: Path) -> tuple[str, subprocess.Popen]:
     """`python -m vllm.entrypoints.openai.api_server` (the `vllm` console script needs the GPU
     package's metadata) on a free loopback port; returns its base URL."""
-    port = _free_port()
+    address = free_address("http")
+    port = address.rsplit(":", 1)[1]
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
-            "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
+            "--port", port, "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
             "--kv-cache-memory-bytes", str(64 << 20), *flags]  # fmt: skip
-    return f"http://127.0.0.1:{port}/v1", subprocess.Popen(args, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    return f"{address}/v1", subprocess.Popen(args, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
 def _wait_up(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 300) -> None:
