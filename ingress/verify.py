@@ -127,6 +127,32 @@ class Verifier:
             raise Rejected(
                 "prompt_mismatch", "the first tokens are not the leased prompt as the chat template renders it"
             )
+        try:
+            pos = self._replay_turns(ep, rollout, pos)
+        finally:
+            self.format.end(rollout)  # an `Episodic` task's state, if its tools were answered here
+        if pos != len(ids):
+            raise Rejected("bad_tokens", f"{len(ids) - pos} tokens after the episode ended")
+        if ep.finish_reason != rollout.finish_reason:
+            raise Rejected(
+                "bad_tokens", f"finish_reason {ep.finish_reason!r}, the tokens say {rollout.finish_reason!r}"
+            )
+        if _normal(ep.messages) != _normal(rollout.messages):
+            theirs = [m for m in _normal(ep.messages) if m.get("role") == "tool"]
+            ours = [m for m in _normal(rollout.messages) if m.get("role") == "tool"]
+            reason = "tool_mismatch" if theirs != ours else "messages_mismatch"
+            raise Rejected(reason, "the messages are not those the tokens and the task's tools give")
+        self.format.score(rollout)  # with the prompt's hidden answer: the reward trained on
+        knowable = self._leased_reward(prompt, rollout)
+        if not math.isfinite(ep.reward) or abs(ep.reward - knowable) > REWARD_ATOL:
+            raise Rejected(
+                "reward_mismatch", f"claimed reward {ep.reward}, the task gives {knowable} on what the lease carries"
+            )
+        return rollout
+
+    def _replay_turns(self, ep: Episode, rollout: Rollout, pos: int) -> int:
+        """Add the episode's turns from token `pos` on, checking each; returns where they end."""
+        mask, ids = ep.loss_mask, ep.token_ids
         sampled = 0
         while True:
             end = pos
@@ -152,24 +178,7 @@ class Verifier:
                 pos += len(tool_ids)
             if not self.format.goes_on(rollout, calls):
                 break
-        if pos != len(ids):
-            raise Rejected("bad_tokens", f"{len(ids) - pos} tokens after the episode ended")
-        if ep.finish_reason != rollout.finish_reason:
-            raise Rejected(
-                "bad_tokens", f"finish_reason {ep.finish_reason!r}, the tokens say {rollout.finish_reason!r}"
-            )
-        if _normal(ep.messages) != _normal(rollout.messages):
-            theirs = [m for m in _normal(ep.messages) if m.get("role") == "tool"]
-            ours = [m for m in _normal(rollout.messages) if m.get("role") == "tool"]
-            reason = "tool_mismatch" if theirs != ours else "messages_mismatch"
-            raise Rejected(reason, "the messages are not those the tokens and the task's tools give")
-        self.format.score(rollout)  # with the prompt's hidden answer: the reward trained on
-        knowable = self._leased_reward(prompt, rollout)
-        if not math.isfinite(ep.reward) or abs(ep.reward - knowable) > REWARD_ATOL:
-            raise Rejected(
-                "reward_mismatch", f"claimed reward {ep.reward}, the task gives {knowable} on what the lease carries"
-            )
-        return rollout
+        return pos
 
     def _leased_reward(self, prompt: Prompt, rollout: Rollout) -> float:
         """The reward an honest worker computes: the task scoring the episode on the prompt as

@@ -8,6 +8,7 @@ between sampling and training.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +18,7 @@ from transformers import PreTrainedTokenizerBase
 from meshrl.configs.schema import RunConfig
 from meshrl.inference.completion import Completion
 from meshrl.rollouts.chat import ChatSettings, make_chat
-from meshrl.tasks.base import Ending, Prompt, Score, Scoring, Stopping, Task, ToolResult, task_tools
+from meshrl.tasks.base import Ending, Episodic, Prompt, Score, Scoring, Stopping, Task, ToolResult, task_tools
 from meshrl.traces.schema import TokenSpan, TraceExample
 
 
@@ -36,6 +37,7 @@ class Rollout:
     turns: int = 0
     tool_errors: int = 0
     info: dict[str, Any] = field(default_factory=dict)
+    episode_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # what an `Episodic` task's state is kept under
 
     @property
     def version(self) -> int:
@@ -238,7 +240,15 @@ class EpisodeFormat:
         return False
 
     def call_tool(self, rollout: Rollout, call: dict[str, Any]) -> ToolResult:
-        return self.task.call_tool(rollout.prompt, call["function"]["name"], call["function"]["arguments"])
+        name, arguments = call["function"]["name"], call["function"]["arguments"]
+        if isinstance(self.task, Episodic):
+            return self.task.episode_call(rollout.episode_id, rollout.prompt, name, arguments)
+        return self.task.call_tool(rollout.prompt, name, arguments)
+
+    def end(self, rollout: Rollout) -> None:
+        """The episode is over (finished, failed or dropped): an `Episodic` task frees its state."""
+        if isinstance(self.task, Episodic):
+            self.task.end_episode(rollout.episode_id)
 
     def add_tool_results(self, rollout: Rollout, calls: list[dict[str, Any]], results: list[ToolResult]) -> list[int]:
         """Append the tool turn answering `calls`; returns its token ids (what the next turn prefills)."""

@@ -204,6 +204,7 @@ class EpisodeScheduler:
                         break
             finally:
                 self._release(seq)
+                await self.loop.run_in_executor(self._tools, self.format.end, rollout)
             await self.loop.run_in_executor(self._tools, self.format.score, rollout)
             self.stats.episodes += 1
             return rollout

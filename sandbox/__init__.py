@@ -8,9 +8,9 @@ config says so, loudly).
 from __future__ import annotations
 
 from meshrl.configs.schema import SandboxConfig
-from meshrl.sandbox.core import Run, Sandbox, SandboxUnavailable
+from meshrl.sandbox.core import Run, Sandbox, SandboxUnavailable, Workspace
 
-__all__ = ["Run", "Sandbox", "SandboxUnavailable", "make_sandbox"]
+__all__ = ["Run", "Sandbox", "SandboxUnavailable", "Workspace", "make_sandbox"]
 
 
 def make_sandbox(config: SandboxConfig) -> Sandbox:

@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from meshrl.configs.schema import SandboxConfig
-from meshrl.sandbox.core import ENV, ProcessSandbox, SandboxUnavailable, limit_of
+from meshrl.sandbox.core import ENV, ProcessSandbox, SandboxUnavailable, Workspace, limit_of
 
 log = logging.getLogger(__name__)
 _MERGED = ("bin", "lib", "lib64", "sbin")  # symlinks into /usr on merged-/usr systems
@@ -160,12 +160,17 @@ class BwrapSandbox(ProcessSandbox):
         super().__init__(config)
 
     @contextlib.contextmanager
-    def launch(self, program: Path, uid: int | None) -> Iterator[tuple[list[str], tuple[int, ...]]]:
+    def launch(
+        self, program: Path, uid: int | None, workspace: Workspace | None
+    ) -> Iterator[tuple[list[str], tuple[int, ...]]]:
         """bwrap reads the filter from a pipe of its own (a shared descriptor's offset would race); as
-        root the call's tmpfs (`CallFiles`) is mounted while the block lasts."""
+        root the call's tmpfs (`CallFiles`) is mounted while the block lasts. A workspace's directory is
+        the call's `/work`, with a `/dev/shm` of its own."""
         with contextlib.ExitStack() as cleanup:
-            if uid is None or not self.host_tmpfs:
-                tmpfs = ["--size", str(self.config.workdir_mb << 20), "--tmpfs"]
+            tmpfs = ["--size", str(self.config.workdir_mb << 20), "--tmpfs"]
+            if workspace is not None:
+                writable = [*tmpfs, "/dev/shm", "--bind", str(workspace.directory), "/work"]
+            elif uid is None or not self.host_tmpfs:
                 writable = [*tmpfs, "/dev/shm", *tmpfs, "/work"]
             else:
                 root = cleanup.enter_context(CallFiles(uid, self.config.workdir_mb, self.config.files)).root
@@ -175,6 +180,17 @@ class BwrapSandbox(ProcessSandbox):
             with open(write, "wb") as pipe:  # far below a pipe's 64 KiB buffer: never blocks
                 pipe.write(self.filter)
             yield self._argv(program, read, writable), (read,)
+
+    @contextlib.contextmanager
+    def _workspace_files(self, uid: int | None) -> Iterator[Path]:
+        """As root, a tmpfs of the workspace's own (`workdir_mb` bytes, `files` inodes), mounted for its
+        life: the episode's files are bounded as one call's are."""
+        if uid is None or not self.host_tmpfs:
+            with super()._workspace_files(uid) as directory:
+                yield directory
+            return
+        with CallFiles(uid, self.config.workdir_mb, self.config.files, name=f"workspace-{uid}") as files:
+            yield files.root / "work"
 
     def _limit(self, uid: int | None, status: int | None, stderr: str) -> str | None:
         """A full tmpfs whose inodes ran out ran out of files, not of bytes: Python says the same of both."""

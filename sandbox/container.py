@@ -30,7 +30,7 @@ class ContainerSandbox(Sandbox):
         self.docker = docker
         super().__init__(config)
 
-    def _run(self, slot: int, code: str) -> Run:
+    def _run(self, slot: int, code: str, workspace: object) -> Run:  # no workspaces: `workspace` is None
         c, mb = self.config, 1 << 20
         ulimit = self.docker.types.Ulimit
         with ProgramFile(code, None) as program:

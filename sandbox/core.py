@@ -6,6 +6,10 @@ the host, a fixed hash seed so the same code gives the same result), and the lim
 files, file size (kernel rlimits set by `prlimit`), and output bytes (killed once more arrives).
 A broken limit is a `Run` naming it, never an exception: the task turns it into a tool error.
 Calls run at once up to `pool_size`; `close()` kills those still running.
+
+A `Workspace` is a working directory that outlasts its calls: one episode's copy of a repository.
+Each of its calls is still a fresh process tree with the same limits, run one at a time with the
+workspace as its working directory; its files persist until `close()`, and no other call sees them.
 """
 
 from __future__ import annotations
@@ -94,8 +98,8 @@ class Sandbox:
         if run.stdout.strip() != "42":
             raise SandboxUnavailable(f"sandbox.backend {config.backend!r}: a probe program failed: {run.report()}")
 
-    def run_python(self, code: str) -> Run:
-        """Run `code` as a program; blocks while `pool_size` calls run."""
+    def run_python(self, code: str, workspace: Workspace | None = None) -> Run:
+        """Run `code` as a program (in `workspace`, when given); blocks while `pool_size` calls run."""
         with self._free:
             while not self._slots and not self._closed:
                 self._free.wait()
@@ -103,7 +107,12 @@ class Sandbox:
                 raise SandboxUnavailable("the sandbox is closed")
             slot = self._slots.pop()
         try:
-            return self._run(slot, code)
+            if workspace is None:
+                return self._run(slot, code, None)
+            with workspace.lock:  # one call at a time: a call's end kills whatever else runs as its uid
+                if workspace.closed:
+                    raise SandboxUnavailable("the workspace is closed")
+                return self._run(slot, code, workspace)
         finally:
             with self._free:
                 self._live.pop(slot, None)
@@ -127,8 +136,35 @@ class Sandbox:
         if closed:
             kill()
 
-    def _run(self, slot: int, code: str) -> Run:
+    def workspace(self, files: dict[str, str]) -> Workspace:
+        """A new workspace holding `files` (relative path -> text)."""
+        raise SandboxUnavailable(f"sandbox.backend {self.config.backend!r} has no workspaces (use 'bwrap')")
+
+    def _run(self, slot: int, code: str, workspace: Workspace | None) -> Run:
         raise NotImplementedError
+
+
+class Workspace:
+    """A working directory that outlasts its calls (`Sandbox.workspace`). As root it holds one uid for
+    its whole life, so its files keep one owner and its calls' processes are its own; `close()` (which
+    waits for a running call) kills what still runs as that uid, removes the files and frees the uid."""
+
+    def __init__(self, directory: Path, uid: int | None, release: Callable[[], None]) -> None:
+        self.directory, self.uid, self._release = directory, uid, release
+        self.lock = threading.Lock()
+        self.closed = False
+        self.last_used = time.monotonic()
+
+    def close(self) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            try:
+                if self.uid is not None:
+                    _kill_all(self.uid)
+            finally:
+                self._release()
 
 
 class ProcessSandbox(Sandbox):
@@ -152,9 +188,36 @@ class ProcessSandbox(Sandbox):
         raise NotImplementedError
 
     @contextlib.contextmanager
-    def launch(self, program: Path, uid: int | None) -> Iterator[tuple[list[str], tuple[int, ...]]]:
+    def launch(
+        self, program: Path, uid: int | None, workspace: Workspace | None
+    ) -> Iterator[tuple[list[str], tuple[int, ...]]]:
         """The call's argv and the descriptors it inherits; the block lasts until its processes are gone."""
         yield self.command(program), ()
+
+    def workspace(self, files: dict[str, str]) -> Workspace:
+        """As root: a uid leased for the workspace's life and a directory (`_workspace_files`) it owns."""
+        stack = contextlib.ExitStack()
+        try:
+            uid = stack.enter_context(self._uid())
+            directory = stack.enter_context(self._workspace_files(uid))
+            write_files(directory, files, uid)
+        except BaseException:
+            stack.close()
+            raise
+        return Workspace(directory, uid, stack.close)
+
+    @contextlib.contextmanager
+    def _workspace_files(self, uid: int | None) -> Iterator[Path]:
+        """A host directory for a workspace's files, removed when the block ends."""
+        import tempfile
+
+        directory = Path(tempfile.mkdtemp(prefix="meshrl-workspace-"))
+        try:
+            if uid is not None:
+                os.chown(directory, uid, uid)
+            yield directory
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
 
     def _limit(self, uid: int | None, status: int | None, stderr: str) -> str | None:
         """The limit a program that exited with `status` ran into, read while its `launch` block lasts."""
@@ -193,13 +256,15 @@ class ProcessSandbox(Sandbox):
                 os.close(lease)
         raise SandboxUnavailable(f"every sandbox uid {UID_BASE}..{UID_BASE + UIDS - 1} is in use")
 
-    def _run(self, slot: int, code: str) -> Run:
-        with self._uid() as uid, ProgramFile(code, uid) as program, self.launch(program.path, uid) as (argv, fds):
+    def _run(self, slot: int, code: str, workspace: Workspace | None) -> Run:
+        lease = self._uid() if workspace is None else contextlib.nullcontext(workspace.uid)
+        with lease as uid, ProgramFile(code, uid) as program, self.launch(program.path, uid, workspace) as (argv, fds):
             start = time.monotonic()
             process = subprocess.Popen(
                 self._limits(uid) + argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE, env=ENV, process_group=0, close_fds=True, pass_fds=fds,
-                cwd=program.directory, **({"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}),
+                cwd=workspace.directory if workspace else program.directory,
+                **({"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}),
             )  # fmt: skip
             self._started(slot, lambda: _kill(process))
             try:
@@ -211,7 +276,26 @@ class ProcessSandbox(Sandbox):
             stdout, stderr = (b.decode("utf-8", "replace") for b in (out, err))
             status = None if killed_for else exit_status(process.returncode)
             limit = killed_for or self._limit(uid, status, stderr)
+        if workspace is not None:
+            workspace.last_used = time.monotonic()
         return Run(stdout, stderr, status, limit, time.monotonic() - start)
+
+
+def write_files(directory: Path, files: dict[str, str], uid: int | None) -> None:
+    """Write `files` (relative paths, no `..`) under `directory`, owned by `uid` when given."""
+    for name, text in files.items():
+        relative = Path(name)
+        if relative.is_absolute() or ".." in relative.parts:
+            raise ValueError(f"workspace file {name!r}: not a relative path inside the workspace")
+        path = directory / relative
+        for parent in reversed([p for p in path.parents if p.is_relative_to(directory) and p != directory]):
+            if not parent.exists():
+                parent.mkdir()
+                if uid is not None:
+                    os.chown(parent, uid, uid)
+        path.write_text(text)
+        if uid is not None:
+            os.chown(path, uid, uid)
 
 
 class ProgramFile:

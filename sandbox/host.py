@@ -25,4 +25,4 @@ class HostSandbox(ProcessSandbox):
         super().__init__(config)
 
     def command(self, program: Path) -> list[str]:
-        return [self.config.python, "-s", program.name]  # in the program's own directory
+        return [self.config.python, "-s", str(program)]  # run in its own directory or a workspace

@@ -88,6 +88,17 @@ class Stopping(Protocol):
         """The name of the stop that ends the episode after these messages, or None."""
 
 
+@runtime_checkable
+class Episodic(Protocol):
+    """Tasks whose tool calls share state within one episode (a repository's working copy): each
+    call names the episode (`Rollout.episode_id`), and `end_episode` frees what the episode holds,
+    however it ended. Their reward must not depend on that state: it is gone when they score."""
+
+    def episode_call(self, episode: str, prompt: Prompt, name: str, arguments: dict[str, Any]) -> ToolResult: ...
+
+    def end_episode(self, episode: str) -> None: ...
+
+
 # A task may declare its tools as `tools`: OpenAI function schemas
 # ({"type": "function", "function": {"name", "description", "parameters"}}). They reach the chat
 # template (`apply_chat_template(tools=...)`: Hermes/Qwen put them in the system turn) wherever an

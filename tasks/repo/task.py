@@ -1,0 +1,234 @@
+"""Fix-the-failing-tests on a real repository, in Claude Code's tools, for 10 to 50 turns.
+
+A prompt is a task of `build`: a standard-library module with one bug and its own test suite,
+checked out at `/work` of a sandbox workspace that lives as long as the episode (its files persist
+across the episode's calls and no other episode sees them). The policy explores, edits and runs
+the tests with Read, Edit, Write, Bash, Grep and Glob (`tools`), and ends the episode with a turn
+without tool calls. The reward runs the hidden tests on the episode's module (`scoring`).
+
+Splits are by source module: `eval_modules` are held out (`split = "test"`, and `eval_prompts`),
+the other modules train (`split = "train"`); `"all"` is both.
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from meshrl.configs.schema import SandboxConfig
+from meshrl.sandbox import Workspace, make_sandbox
+from meshrl.tasks.base import Ending, Prompt, Score, ToolResult
+from meshrl.tasks.repo import scoring, tools
+from meshrl.tasks.repo.build import RepoTask, build_tasks, run_tests
+from meshrl.tasks.repo.demos import solution_session, solution_steps
+from meshrl.traces.claude_code import ingest_claude_code
+from meshrl.traces.schema import TraceExample, Turn
+
+MODULES = ["colorsys", "shlex", "string", "getopt", "quopri", "base64", "uu", "bisect", "fractions", "graphlib",
+           "netrc"]  # fmt: skip
+EVAL_MODULES = ["graphlib", "netrc"]
+SYSTEM = (
+    "You are a coding agent in a Python repository checked out at /work. Use the tools to explore it, "
+    "run commands and edit files. Fix the bug in the source so that the failing tests pass, without "
+    "changing the tests. When you are done, reply without calling a tool."
+)
+HINTS = {
+    "edit_failed": "An Edit's old_string must match the file exactly, once: Read the lines first and copy them.",
+    "command_failed": "The command failed: read its output. Where a test fails, read its assertion and the code "
+    "it calls, then fix that code, not the test.",
+}
+
+
+class RepoFixTask:
+    """`modules` and `eval_modules` (held out) are standard-library modules with their tests; each
+    gives at most `per_module` tasks from `tries` mutations (seeded by `seed`), built once into
+    `cache_dir`. `idle_s`: a workspace no call has used for this long is removed (an episode its
+    scheduler dropped). `sandbox`: the `SandboxConfig` of every call, the hidden tests' too."""
+
+    # Workspaces have state: an outside worker's tool turns are taken from its messages, and the
+    # reward rebuilds the state itself (`scoring`).
+    replayable_tools = False
+
+    def __init__(
+        self,
+        modules: list[str] | None = None,
+        eval_modules: list[str] | None = None,
+        split: str = "train",
+        max_turns: int = 50,
+        seed: int = 0,
+        tries: int = 80,
+        per_module: int = 40,
+        cache_dir: str = "~/.cache/meshrl",
+        idle_s: float = 900.0,
+        sandbox: dict[str, Any] | None = None,
+    ) -> None:
+        if split not in ("train", "test", "all"):
+            raise ValueError(f"task.kwargs.split {split!r}: one of 'train', 'test', 'all'")
+        if max_turns < 1:
+            raise ValueError("task.kwargs.max_turns must be at least 1")
+        held_out = list(EVAL_MODULES if eval_modules is None else eval_modules)
+        modules = list(MODULES if modules is None else modules)
+        modules += [m for m in held_out if m not in modules]
+        self.max_turns, self.idle_s = max_turns, idle_s
+        self.tools = tools.TOOLS
+        self.sandbox = make_sandbox(SandboxConfig(**(sandbox or {})))
+        self.sources, built, self.build_stats = build_tasks(self.sandbox, modules, seed, tries, per_module, cache_dir)
+        self.tasks = {task.task_id: task for task in built}
+        self.eval_ids = [t.task_id for t in built if t.module in held_out]
+        self.split_ids = {
+            "train": [t.task_id for t in built if t.module not in held_out],
+            "test": self.eval_ids,
+            "all": [t.task_id for t in built],
+        }[split]
+        if not self.split_ids:
+            raise ValueError(
+                f"task.kwargs: the {split!r} split of modules {modules} (held out: {held_out}) has no tasks"
+            )
+        self._workspaces: dict[str, Workspace] = {}
+        self._lock = threading.Lock()
+        self._demos: dict[str, TraceExample] = {}
+
+    # ------------------------------------------------------------------ prompts
+
+    def sample_prompts(self, rng: random.Random, n: int) -> list[Prompt]:
+        """`n` draws, each its own prompt id (the task's and 32 bits of `rng`)."""
+        return [self.prompt(rng.choice(self.split_ids), rng.getrandbits(32)) for _ in range(n)]
+
+    def eval_prompts(self, rng: random.Random, n: int) -> list[Prompt]:
+        """The first `n` held-out tasks, each once: the task id is the prompt id."""
+        return [self.prompt(task_id) for task_id in self.eval_ids[:n]]
+
+    def prompt(self, task_id: str, draw: int | None = None) -> Prompt:
+        task = self.tasks[task_id]
+        failing = ", ".join(name.rsplit(".", 2)[-2] + "." + name.rsplit(".", 1)[-1] for name in task.fail_to_pass[:3])
+        more = f" and {len(task.fail_to_pass) - 3} more" if len(task.fail_to_pass) > 3 else ""
+        user = (
+            f"Some tests in tests/test_{task.module}.py fail: {failing}{more}. Find the bug in {task.module}.py and "
+            f"fix it so that every test passes. Run the tests with `python3 -m unittest tests.test_{task.module}`."
+        )
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+        prompt_id = task_id if draw is None else f"{task_id}#{draw:08x}"
+        return Prompt(prompt_id=prompt_id, messages=messages, answer=task_id, info={"problem": task_id})
+
+    def buggy_code(self, task: RepoTask) -> str:
+        return self.sources[task.module].buggy(task)
+
+    def repository(self, task_id: str) -> dict[str, str]:
+        """The buggy repository's files (what a workspace starts with)."""
+        task = self.tasks[task_id]
+        return self.sources[task.module].files(self.buggy_code(task))
+
+    # ------------------------------------------------------------------ tools
+
+    def call_tool(self, prompt: Prompt, name: str, arguments: dict[str, Any]) -> ToolResult:
+        """A call outside any episode runs in a workspace of its own, removed after it."""
+        workspace = self.sandbox.workspace(self.repository(prompt.info["problem"]))
+        try:
+            return tools.call(self.sandbox, workspace, name, arguments)
+        finally:
+            workspace.close()
+
+    def episode_call(self, episode: str, prompt: Prompt, name: str, arguments: dict[str, Any]) -> ToolResult:
+        """A call in the episode's workspace, made at its first call."""
+        with self._lock:
+            workspace = self._workspaces.get(episode)
+            idle = [k for k, w in self._workspaces.items() if time.monotonic() - w.last_used > self.idle_s]
+            stale = [self._workspaces.pop(k) for k in idle if k != episode]
+        for old in stale:
+            old.close()
+        if workspace is None:
+            workspace = self.sandbox.workspace(self.repository(prompt.info["problem"]))
+            with self._lock:
+                self._workspaces[episode] = workspace
+        return tools.call(self.sandbox, workspace, name, arguments)
+
+    def end_episode(self, episode: str) -> None:
+        with self._lock:
+            workspace = self._workspaces.pop(episode, None)
+        if workspace is not None:
+            workspace.close()
+
+    def live_workspaces(self) -> int:
+        with self._lock:
+            return len(self._workspaces)
+
+    # ------------------------------------------------------------------ reward
+
+    def final_module(self, task: RepoTask, messages: list[dict[str, Any]]) -> str | None:
+        """The module as the episode left it: its writing calls replayed in a fresh workspace."""
+        workspace = self.sandbox.workspace(self.repository(task.task_id))
+        try:
+            for message in messages:
+                for call in message.get("tool_calls") or [] if message.get("role") == "assistant" else []:
+                    name, arguments = call["function"]["name"], call["function"]["arguments"]
+                    if name in tools.WRITES:
+                        tools.call(self.sandbox, workspace, name, arguments)
+            return scoring.read_module(workspace.directory, f"{task.module}.py")
+        finally:
+            workspace.close()
+
+    def score(self, prompt: Prompt, messages: list[dict[str, Any]], ending: Ending) -> Score:
+        calls = [c for m in messages if m.get("role") == "assistant" for c in m.get("tool_calls") or []]
+        metrics = {"turns": float(sum(m.get("role") == "assistant" for m in messages)),
+                   "tool_calls": float(len(calls)),
+                   "tool_errors": float(sum(bool(m.get("is_error")) for m in messages if m.get("role") == "tool"))}  # fmt: skip
+        task = self.tasks.get(prompt.answer) if isinstance(prompt.answer, str) else None
+        if task is None:  # no hidden tests (a prompt as leased to an outside worker)
+            return Score(0.0, {"solved": 0.0}, metrics)
+        final = self.final_module(task, messages)
+        refused = ["missing"] if final is None else scoring.new_capabilities(final, self.buggy_code(task))
+        metrics["refused"] = float(bool(refused))
+        if refused:
+            return Score(0.0, {"solved": 0.0}, {**metrics, "tests_fixed": 0.0, "tests_broken": 0.0})
+        run = run_tests(self.sandbox, self.sources[task.module].files(final), task.module)
+        outcomes = run.outcomes or {}
+        fixed = sum(outcomes.get(t) == "pass" and not run.load_error for t in task.fail_to_pass)
+        broken = sum(outcomes.get(t) != "pass" or bool(run.load_error) for t in task.pass_to_pass)
+        solved = float(fixed == len(task.fail_to_pass) and broken == 0)
+        metrics |= {"tests_fixed": fixed / len(task.fail_to_pass), "tests_broken": float(broken)}
+        return Score(solved, {"solved": solved}, metrics)
+
+    def reward(self, prompt: Prompt, messages: list[dict[str, Any]]) -> float:
+        return self.score(prompt, messages, Ending("agent_completed", "stop")).reward
+
+    # ------------------------------------------------------------------ demonstrations, hints
+
+    def demonstrations(self, rng: random.Random, n: int) -> list[TraceExample]:
+        """Scripted solutions, written as Claude Code sessions and read back through the ingestion
+        (`demos`); one per task drawn, each task's made once and reused."""
+        return [self._demonstration(prompt) for prompt in self.sample_prompts(rng, n)]
+
+    def _demonstration(self, prompt: Prompt) -> TraceExample:
+        cache, task_id = self._demos, prompt.answer
+        if task_id not in cache:
+            with tempfile.TemporaryDirectory() as tmp:
+                path = Path(tmp) / f"{task_id}.jsonl"
+                solution_session(self, self.prompt(task_id)).write(path)
+                (example,) = ingest_claude_code([path]).examples
+            system = Turn(role="system", content=SYSTEM)  # Claude Code's session files hold no system prompt
+            cache[task_id] = example.model_copy(update={"turns": [system, *example.turns], "final_reward": 1.0})
+        return cache[task_id].model_copy(update={"trace_id": prompt.prompt_id})
+
+    def oracle_action(self, prompt: Prompt, messages: list[dict[str, Any]]) -> dict[str, Any]:
+        """The scripted solution's next turn after the assistant turns `messages` hold (its last
+        turn once they are more): what the oracle teachers answer."""
+        steps = solution_steps(self, prompt.info["problem"])
+        done = sum(m.get("role") == "assistant" for m in messages)
+        step = steps[min(done, len(steps) - 1)]
+        if step.name is None:
+            return {"role": "assistant", "content": step.text}
+        call = {"id": f"call_{done}", "type": "function", "function": {"name": step.name, "arguments": step.arguments}}
+        return {"role": "assistant", "content": step.text, "tool_calls": [call]}
+
+    def hint(self, error_kind: str, error_meta: dict[str, Any]) -> str | None:
+        """The SDPO teacher's privileged context at a tool error: a failed Edit, a failing test run."""
+        tool = error_meta.get("tool_name")
+        if tool == "Edit":
+            return HINTS["edit_failed"]
+        if tool == "Bash":
+            return HINTS["command_failed"]
+        return None
