@@ -32,6 +32,8 @@ from meshrl.rollouts.episodes import EpisodeFormat, Rollout
 from meshrl.rollouts.scheduler import EpisodeScheduler, GroupRequest, Sampling
 from meshrl.tasks.base import Prompt, make_task
 from meshrl.tasks.humaneval import HumanEvalTask
+from meshrl.tasks.repo.demos import solution_steps
+from meshrl.tasks.repo.task import RepoFixTask
 
 pytestmark = pytest.mark.network  # CURVE ZMQ over loopback
 
@@ -282,6 +284,41 @@ def test_an_honest_humaneval_episode_is_accepted_and_trained_on_its_hidden_tests
     assert rollout.reward == 0.0 and "4" in rollout.messages[-2]["content"]  # what the worker can know
     rebuilt = verifier.replay(prompt, to_episode(rollout), 0, 0)
     assert rebuilt.reward == 1.0 and rebuilt.score.components == {"passes": 1.0}
+    lying = to_episode(rollout)
+    lying.reward = 1.0
+    with pytest.raises(Rejected, match="reward_mismatch"):
+        verifier.replay(prompt, lying, 0, 0)
+    task.sandbox.close()
+
+
+def test_an_honest_repository_episode_is_accepted_and_its_reward_rebuilt_from_its_edits(harness, tmp_path):
+    """A repository task's workspace lives on the worker: the controller takes its tool turns from the
+    messages, and the reward replays the episode's writes in a workspace of its own and runs the hidden
+    tests there. The worker, without them, scores the fix 0; the controller 1; a claim of 1 is refused."""
+    h = harness
+    task = RepoFixTask(modules=["colorsys"], eval_modules=["getopt"], tries=30, per_module=4, cache_dir=str(tmp_path),
+                       sandbox={"pool_size": 2})  # fmt: skip
+    verifier = Verifier(EpisodeFormat(h.format.tokenizer, task), h.server.verifier.scorer, max_new_tokens=4096,
+                        fraction=0.0, tolerance=0.05)  # fmt: skip
+    prompt = task.prompt(task.split_ids[0], draw=7)
+    leased = Prompt(prompt.prompt_id, prompt.messages, None, prompt.info)
+    worker = EpisodeFormat(h.format.tokenizer, task)
+    rollout = worker.start(leased)
+    for step in solution_steps(task, prompt.answer):
+        call = json.dumps({"name": step.name, "arguments": step.arguments})
+        text = step.text + (f"<tool_call>{call}</tool_call>" if step.name else "")
+        ids = worker.tokenizer(text + worker.footer, add_special_tokens=False)["input_ids"]
+        calls = worker.add_turn(rollout, Completion([], ids, [-1.0] * len(ids), "stop", [0] * len(ids)))
+        if calls:
+            worker.add_tool_results(rollout, calls, [worker.call_tool(rollout, c) for c in calls])
+        if not worker.goes_on(rollout, calls):
+            break
+    worker.end(rollout)
+    worker.score(rollout)
+    assert rollout.turns == 5 and rollout.reward == 0.0 and task.live_workspaces() == 0
+    assert rollout.messages[-2]["content"].rstrip().endswith("OK")  # the worker's own test run passed
+    rebuilt = verifier.replay(prompt, to_episode(rollout), 0, 0)
+    assert rebuilt.reward == 1.0 and rebuilt.score.metrics["tests_fixed"] == 1.0
     lying = to_episode(rollout)
     lying.reward = 1.0
     with pytest.raises(Rejected, match="reward_mismatch"):

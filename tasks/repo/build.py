@@ -17,6 +17,7 @@ import random
 import secrets
 import sysconfig
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,7 +25,7 @@ from pathlib import Path
 from meshrl.sandbox import Sandbox
 from meshrl.tasks.repo.mutations import apply, sites
 
-BUILD_VERSION = 1  # bumped whenever what a build makes changes: older caches are not read
+BUILD_VERSION = 2  # bumped whenever what a build makes changes: older caches are not read
 RESULTS = "#meshrl-tests "
 # Runs in the sandbox: writes the repository's files, runs every test of the test module one by one
 # (their output discarded: only the outcomes come back), and prints the outcomes on one line after
@@ -161,7 +162,8 @@ class BuildStats:
 def build_module(
     sandbox: Sandbox, source: Source, seed: int, tries: int, keep: int
 ) -> tuple[list[RepoTask], BuildStats]:
-    """Up to `keep` tasks of one module from at most `tries` mutations drawn with `seed`."""
+    """Up to `keep` tasks of one module from at most `tries` mutations drawn with `seed` (`tried`
+    counts those whose tests ran: a batch at a time, until `keep` are kept)."""
     stats = BuildStats(source.module)
     original = run_tests(sandbox, source.files(), source.module)
     expected = f"/work/{source.module}.py"
@@ -176,23 +178,27 @@ def build_module(
     stats.sites = len(candidates)
     random.Random(f"{seed}:{source.module}").shuffle(candidates)
     mutations = [m for m in (apply(source.code, site) for site in candidates[:tries]) if m is not None]
-    stats.tried = len(mutations)
+    tasks: list[RepoTask] = []
+    batch = 2 * sandbox.config.pool_size
     with ThreadPoolExecutor(sandbox.config.pool_size) as pool:
-        runs = list(pool.map(lambda m: run_tests(sandbox, source.files(m.source), source.module), mutations))
-    tasks = []
-    for mutation, run in zip(mutations, runs):
-        if run.outcomes is None:
-            stats.no_report += 1
-            continue
-        broken = tuple(t for t in passing if run.load_error or run.outcomes.get(t) != "pass")
-        if not broken:
-            stats.no_test_broke += 1
-            continue
-        if len(tasks) < keep:
-            kept = tuple(t for t in passing if t not in broken)
-            tasks.append(RepoTask(f"{source.module}-{len(tasks):03d}", source.module, mutation.operator,
-                                  mutation.line, mutation.after, mutation.before, broken, kept))  # fmt: skip
-            stats.by_operator[mutation.operator] = stats.by_operator.get(mutation.operator, 0) + 1
+        for at in range(0, len(mutations), batch):  # in batches: the build stops once `keep` are kept
+            if len(tasks) >= keep:
+                break
+            chunk = mutations[at : at + batch]
+            runs = pool.map(lambda m: run_tests(sandbox, source.files(m.source), source.module), chunk)
+            for mutation, run in zip(chunk, runs):
+                stats.tried += 1
+                if run.outcomes is None:
+                    stats.no_report += 1
+                    continue
+                broken = tuple(t for t in passing if run.load_error or run.outcomes.get(t) != "pass")
+                if not broken:
+                    stats.no_test_broke += 1
+                elif len(tasks) < keep:
+                    kept = tuple(t for t in passing if t not in broken)
+                    tasks.append(RepoTask(f"{source.module}-{len(tasks):03d}", source.module, mutation.operator,
+                                          mutation.line, mutation.after, mutation.before, broken, kept))  # fmt: skip
+                    stats.by_operator[mutation.operator] = stats.by_operator.get(mutation.operator, 0) + 1
     stats.kept = len(tasks)
     return tasks, stats
 
@@ -200,11 +206,22 @@ def build_module(
 def build_tasks(
     sandbox: Sandbox, modules: list[str], seed: int, tries: int, keep: int, cache_dir: str | Path
 ) -> tuple[dict[str, Source], list[RepoTask], list[BuildStats]]:
-    """Every module's tasks, from the cache when a build of the same sources and settings is there.
+    """Every module's tasks, from the cache when a build of the same sources and settings (the
+    sandbox's time limits among them: they decide which mutations report) is there.
     The cache file is written whole (a temporary file renamed over it), so concurrent builders agree."""
     sources = {module: load_source(module) for module in modules}
     key = hashlib.sha256(
-        json.dumps([BUILD_VERSION, seed, tries, keep, [(s.module, s.code, s.tests) for s in sources.values()]]).encode()
+        json.dumps(
+            [
+                BUILD_VERSION,
+                seed,
+                tries,
+                keep,
+                sandbox.config.cpu_time_s,
+                sandbox.config.wall_time_s,
+                [(s.module, s.code, s.tests) for s in sources.values()],
+            ]
+        ).encode()  # fmt: skip
     ).hexdigest()[:16]
     cache = Path(cache_dir).expanduser() / f"repo_tasks-{key}.json"
     if cache.is_file():
@@ -214,9 +231,12 @@ def build_tasks(
         return sources, tasks, [BuildStats(**s) for s in data["stats"]]
     tasks, stats = [], []
     for source in sources.values():
+        start = time.perf_counter()
         built, module_stats = build_module(sandbox, source, seed, tries, keep)
         tasks += built
         stats.append(module_stats)
+        print(f"repository tasks: {source.module}: {module_stats.kept} kept of {module_stats.tried} mutations tried "
+              f"({module_stats.tests} tests, {time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
     cache.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{cache.name}.", dir=cache.parent)
     with os.fdopen(fd, "w") as out:

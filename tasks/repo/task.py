@@ -31,6 +31,7 @@ from meshrl.traces.schema import TraceExample, Turn
 MODULES = ["colorsys", "shlex", "string", "getopt", "quopri", "base64", "uu", "bisect", "fractions", "graphlib",
            "netrc"]  # fmt: skip
 EVAL_MODULES = ["graphlib", "netrc"]
+BUILD_LIMITS = {"cpu_time_s": 2, "wall_time_s": 4.0}  # a module's whole test suite runs in well under a second
 SYSTEM = (
     "You are a coding agent in a Python repository checked out at /work. Use the tools to explore it, "
     "run commands and edit files. Fix the bug in the source so that the failing tests pass, without "
@@ -75,8 +76,16 @@ class RepoFixTask:
         modules += [m for m in held_out if m not in modules]
         self.max_turns, self.idle_s = max_turns, idle_s
         self.tools = tools.TOOLS
-        self.sandbox = make_sandbox(SandboxConfig(**(sandbox or {})))
-        self.sources, built, self.build_stats = build_tasks(self.sandbox, modules, seed, tries, per_module, cache_dir)
+        config = SandboxConfig(**(sandbox or {}))
+        self.sandbox = make_sandbox(config)
+        # Building runs each module's tests once per mutation: a mutation that loops stops at BUILD_LIMITS.
+        builder = make_sandbox(
+            config.model_copy(update={k: min(getattr(config, k), v) for k, v in BUILD_LIMITS.items()})
+        )
+        try:
+            self.sources, built, self.build_stats = build_tasks(builder, modules, seed, tries, per_module, cache_dir)
+        finally:
+            builder.close()
         self.tasks = {task.task_id: task for task in built}
         self.eval_ids = [t.task_id for t in built if t.module in held_out]
         self.split_ids = {

@@ -1,0 +1,39 @@
+"""The repository preset end to end: `meshrl train @ configs/local.toml @ configs/repo_fix.toml`, its
+warm start on the Claude Code demonstrations, RL episodes in sandbox workspaces, then `meshrl eval`
+on the held-out modules (a small build of two modules, so the run takes seconds, not the preset's minute)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+from tests.e2e import MESHRL, REPO, records
+
+KWARGS = {"modules": ["colorsys"], "eval_modules": ["getopt"], "tries": 24, "per_module": 6, "max_turns": 50,
+          "sandbox": {"backend": "bwrap", "pool_size": 2, "wall_time_s": 20.0, "cpu_time_s": 10}}  # fmt: skip
+PRESET = ["@", str(REPO / "configs" / "local.toml"), "@", str(REPO / "configs" / "repo_fix.toml")]
+
+
+def test_the_repository_preset_trains_and_its_held_out_split_evaluates(tmp_path):
+    kwargs = json.dumps({**KWARGS, "cache_dir": str(tmp_path / "cache")})
+    out = tmp_path / "run"
+    small = ["--task.kwargs", kwargs, "--max-steps", "2", "--trainer.warm-start-steps", "3",
+             "--trainer.warm-start-batch-size", "4", "--task.prompts-per-step", "2", "--generator.samples-per-prompt",
+             "2", "--metrics.progress", "plain"]  # fmt: skip
+    run = subprocess.run([*MESHRL, "train", *PRESET, *small, "--output-dir", str(out)], capture_output=True,
+                         text=True, timeout=600, cwd=REPO)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "repository tasks: colorsys:" in run.stdout  # built once, into the cache
+    rows = records(out)
+    assert len(rows) == 2
+    for row in rows:
+        assert "rubric/solved" in row and row["task_metric/turns"] >= 1 and "task_metric/tests_fixed" in row
+    result = tmp_path / "eval.json"
+    evaluation = subprocess.run([*MESHRL, "eval", *PRESET, "--task.kwargs", kwargs, "--checkpoint", str(out),
+                                 "--n", "3", "--k", "2", "--out", str(result)], capture_output=True, text=True,
+                                timeout=600, cwd=REPO)  # fmt: skip
+    assert evaluation.returncode == 0, evaluation.stderr[-3000:]
+    assert "repository tasks" not in evaluation.stdout  # read from the cache
+    scores = json.loads(result.read_text())  # the held-out module's first 3 tasks (task.eval_prompts)
+    assert scores["prompts"] == 3 and scores["k"] == 2
+    assert {"eval/pass@1", "eval/pass@2", "eval/rubric/solved", "eval/task_metric/tests_fixed"} <= set(scores)
