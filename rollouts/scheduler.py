@@ -102,6 +102,7 @@ class EpisodeScheduler:
         self.outbox: queue.Queue[FinishedGroup] = queue.Queue()
         self._tools = ThreadPoolExecutor(max_workers=max_episodes, thread_name_prefix="tools")
         self._running_tools = 0
+        self._open: dict[str, Rollout] = {}  # episodes started and not yet ended, by episode_id
         # handed to the engine thread, guarded by _cond
         self._cond = threading.Condition()
         self._waiting: deque[_Turn] = deque()
@@ -161,6 +162,8 @@ class EpisodeScheduler:
         for thread in self._threads:
             thread.join(timeout=10)
         self._tools.shutdown(wait=False, cancel_futures=True)
+        for rollout in list(self._open.values()):  # episodes cancelled or failed mid-way
+            self._end_episode(rollout)
 
     def _stop_loop(self) -> None:
         """Cancel the episodes still running or queued (their groups are abandoned), then stop."""
@@ -191,6 +194,7 @@ class EpisodeScheduler:
     async def _episode(self, prompt: Prompt, seed: int | None) -> Rollout:
         async with self._slots:
             rollout = self.format.start(prompt)
+            self._open[rollout.episode_id] = rollout
             seq = self.engine.sequence(rollout.token_ids, seed)
             try:
                 while True:
@@ -204,10 +208,15 @@ class EpisodeScheduler:
                         break
             finally:
                 self._release(seq)
-                await self.loop.run_in_executor(self._tools, self.format.end, rollout)
+            await self.loop.run_in_executor(self._tools, self._end_episode, rollout)
             await self.loop.run_in_executor(self._tools, self.format.score, rollout)
             self.stats.episodes += 1
             return rollout
+
+    def _end_episode(self, rollout: Rollout) -> None:
+        """The episode is over: its task state goes (`EpisodeFormat.end`)."""
+        self._open.pop(rollout.episode_id, None)
+        self.format.end(rollout)
 
     async def _tool(self, rollout: Rollout, call: dict[str, Any]) -> Any:
         self._running_tools += 1

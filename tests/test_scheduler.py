@@ -192,6 +192,44 @@ class GatedPollTask(PollTask):
         return super().call_tool(prompt, name, arguments)
 
 
+class EpisodicPollTask(GatedPollTask):
+    """GatedPollTask whose tool calls keep state per episode (`Episodic`): which episodes are open."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.open_episodes: set[str] = set()
+        self.seen: set[str] = set()
+
+    def episode_call(self, episode: str, prompt: Prompt, name: str, arguments: dict) -> ToolResult:
+        self.open_episodes.add(episode)
+        self.seen.add(episode)
+        return self.call_tool(prompt, name, arguments)
+
+    def end_episode(self, episode: str) -> None:
+        self.open_episodes.discard(episode)
+
+
+def test_an_episodic_tasks_state_ends_with_its_episode_finished_or_cut_short_by_close(poll_model):
+    task = EpisodicPollTask()
+    prompts = task.sample_prompts(random.Random(3), 3)
+    prompts[0].prompt_id = "gated"
+    sched = scheduler(poll_model, task, max_episodes=4)
+    try:
+        sched.submit([GroupRequest(p.prompt_id, p, 1, seed=i) for i, p in enumerate(prompts)])
+        done: list[FinishedGroup] = []
+        deadline = time.monotonic() + 60
+        while len(done) < 2:
+            assert time.monotonic() < deadline, "the ungated episodes did not finish"
+            done += sched.take(0.5)
+        rollouts = [r for g in done for r in g.rollouts]
+        assert all(r.episode_id in task.seen and r.episode_id not in task.open_episodes for r in rollouts)
+        assert len(task.open_episodes) == 1  # the gated episode, waiting in its tool call
+    finally:
+        task.gate.set()
+        sched.close()
+    assert not task.open_episodes and len(task.seen) == 3
+
+
 def test_a_finished_episodes_slot_is_refilled_while_another_continues(poll_model):
     task = GatedPollTask()
     prompts = task.sample_prompts(random.Random(2), 4)
