@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import tempfile
 import time
@@ -23,11 +24,13 @@ from pathlib import Path
 
 from meshrl.configs.schema import TinyModelConfig
 from meshrl.models.tiny import ensure_tiny, load_tokenizer
+from meshrl.rollouts.episodes import cap_trace
 from meshrl.tasks.base import Ending
 from meshrl.tasks.repo.demos import solution_steps
 from meshrl.tasks.repo.task import RepoFixTask
 
-SANDBOX = {"backend": "bwrap", "pool_size": 4, "wall_time_s": 20.0, "cpu_time_s": 10}
+SANDBOX = {"backend": "bwrap", "pool_size": 4, "wall_time_s": 20.0, "cpu_time_s": 10}  # configs/repo_fix.toml's
+MAX_TOOL_TOKENS = 512  # configs/repo_fix.toml's generator.max_tool_result_tokens
 
 
 def median_ms(values: list[float]) -> str:
@@ -96,15 +99,22 @@ def episodes(task: RepoFixTask, n: int, tokenizer) -> None:
         start = time.perf_counter()
         solved += task.score(prompt, messages, Ending("agent_completed", "stop")).reward == 1.0
         score_s.append(time.perf_counter() - start)
-        tokens.append(len(tokenizer.apply_chat_template(messages, tokenize=True)))
+        ids = tokenizer.apply_chat_template(messages, tokenize=True)
+        tokens.append(len(ids["input_ids"] if hasattr(ids, "keys") else ids))
     count = len(sandbox_s)
     print(f"{count} scripted episodes (5 turns, 4 tool calls), {solved} solved:")
     for name, values in by_tool.items():
         print(f"  {name:<13} median {median_ms(values)}, max {max(values) * 1000:.0f} ms")
     print(f"  sandbox time per episode: median {median_ms(sandbox_s)}; the reward (replay + hidden tests): "
           f"median {median_ms(score_s)}, max {max(score_s) * 1000:.0f} ms")  # fmt: skip
+    capped = []
+    for demo in task.demonstrations(random.Random(0), n):
+        turns = cap_trace(demo, tokenizer, MAX_TOOL_TOKENS).turns
+        ids = tokenizer.apply_chat_template([{"role": t.role, "content": t.content} for t in turns], tokenize=True)
+        capped.append(len(ids["input_ids"] if hasattr(ids, "keys") else ids))
     print(f"  tokens per demonstration (tiny tokenizer, ChatML): median {statistics.median(tokens):.0f}, "
-          f"max {max(tokens)}")  # fmt: skip
+          f"max {max(tokens)}; with tool results capped at {MAX_TOOL_TOKENS} tokens as the preset trains them: "
+          f"median {statistics.median(capped):.0f}, max {max(capped)}")  # fmt: skip
 
 
 def main() -> None:

@@ -138,6 +138,15 @@ def test_an_idle_workspace_is_removed_when_the_next_episode_starts(task):
     task.end_episode("next")
 
 
+def test_a_task_this_build_lacks_is_a_tool_error_and_ids_name_the_bug(task):
+    prompt = task.prompt(task.split_ids[0])
+    prompt.info = {"problem": "colorsys-L1-off_by_one-000000"}  # an outside worker's build kept other bugs
+    result = task.episode_call("lost", prompt, "Glob", {"pattern": "*.py"})
+    assert result.is_error and "not in this build" in result.content and task.live_workspaces() == 0
+    repo = task.tasks[task.split_ids[0]]
+    assert repo.task_id.startswith(f"{repo.module}-L{repo.line}-{repo.operator}-")
+
+
 def test_the_tools_answer_as_claude_codes_do(task):
     task_id = task.split_ids[0]
     module = task.tasks[task_id].module

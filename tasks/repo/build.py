@@ -23,9 +23,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from meshrl.sandbox import Sandbox
-from meshrl.tasks.repo.mutations import apply, sites
+from meshrl.tasks.repo.mutations import Mutation, apply, sites
 
-BUILD_VERSION = 2  # bumped whenever what a build makes changes: older caches are not read
+BUILD_VERSION = 3  # bumped whenever what a build makes changes: older caches are not read
 RESULTS = "#meshrl-tests "
 # Runs in the sandbox: writes the repository's files, runs every test of the test module one by one
 # (their output discarded: only the outcomes come back), and prints the outcomes on one line after
@@ -159,6 +159,13 @@ class BuildStats:
     by_operator: dict[str, int] = field(default_factory=dict)
 
 
+def task_id(module: str, mutation: Mutation) -> str:
+    """A task's id from its bug alone (module, line, operator and the buggy line's text), so that two
+    builds name the same bug alike whatever else each kept: an outside worker builds its own."""
+    digest = hashlib.sha256(f"{mutation.line}\n{mutation.after}".encode()).hexdigest()[:6]
+    return f"{module}-L{mutation.line}-{mutation.operator}-{digest}"
+
+
 def build_module(
     sandbox: Sandbox, source: Source, seed: int, tries: int, keep: int
 ) -> tuple[list[RepoTask], BuildStats]:
@@ -196,7 +203,7 @@ def build_module(
                     stats.no_test_broke += 1
                 elif len(tasks) < keep:
                     kept = tuple(t for t in passing if t not in broken)
-                    tasks.append(RepoTask(f"{source.module}-{len(tasks):03d}", source.module, mutation.operator,
+                    tasks.append(RepoTask(task_id(source.module, mutation), source.module, mutation.operator,
                                           mutation.line, mutation.after, mutation.before, broken, kept))  # fmt: skip
                     stats.by_operator[mutation.operator] = stats.by_operator.get(mutation.operator, 0) + 1
     stats.kept = len(tasks)

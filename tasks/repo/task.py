@@ -31,7 +31,9 @@ from meshrl.traces.schema import TraceExample, Turn
 MODULES = ["colorsys", "shlex", "string", "getopt", "quopri", "base64", "uu", "bisect", "fractions", "graphlib",
            "netrc"]  # fmt: skip
 EVAL_MODULES = ["graphlib", "netrc"]
-BUILD_LIMITS = {"cpu_time_s": 2, "wall_time_s": 4.0}  # a module's whole test suite runs in well under a second
+# A module's whole test suite takes a tenth of a CPU second to a few: a mutation that loops is stopped
+# by CPU time, which a busy host does not change (a wall-time limit would drop other mutations there).
+BUILD_LIMITS = {"cpu_time_s": 2}
 SYSTEM = (
     "You are a coding agent in a Python repository checked out at /work. Use the tools to explore it, "
     "run commands and edit files. Fix the bug in the source so that the failing tests pass, without "
@@ -127,7 +129,10 @@ class RepoFixTask:
         return self.sources[task.module].buggy(task)
 
     def repository(self, task_id: str) -> dict[str, str]:
-        """The buggy repository's files (what a workspace starts with)."""
+        """The buggy repository's files (what a workspace starts with). KeyError names a task this
+        build does not have (an outside worker's build that kept other mutations than the controller's)."""
+        if task_id not in self.tasks:
+            raise KeyError(f"repository task {task_id!r} is not in this build ({len(self.tasks)} tasks)")
         task = self.tasks[task_id]
         return self.sources[task.module].files(self.buggy_code(task))
 
@@ -135,14 +140,14 @@ class RepoFixTask:
 
     def call_tool(self, prompt: Prompt, name: str, arguments: dict[str, Any]) -> ToolResult:
         """A call outside any episode runs in a workspace of its own, removed after it."""
-        workspace = self.sandbox.workspace(self.repository(prompt.info["problem"]))
+        episode = f"call-{id(arguments)}-{time.monotonic_ns()}"
         try:
-            return tools.call(self.sandbox, workspace, name, arguments)
+            return self.episode_call(episode, prompt, name, arguments)
         finally:
-            workspace.close()
+            self.end_episode(episode)
 
     def episode_call(self, episode: str, prompt: Prompt, name: str, arguments: dict[str, Any]) -> ToolResult:
-        """A call in the episode's workspace, made at its first call."""
+        """A call in the episode's workspace, made at its first call (a task this build lacks is a tool error)."""
         with self._lock:
             workspace = self._workspaces.get(episode)
             idle = [k for k, w in self._workspaces.items() if time.monotonic() - w.last_used > self.idle_s]
@@ -150,7 +155,11 @@ class RepoFixTask:
         for old in stale:
             old.close()
         if workspace is None:
-            workspace = self.sandbox.workspace(self.repository(prompt.info["problem"]))
+            try:
+                files = self.repository(prompt.info["problem"])
+            except KeyError as error:
+                return ToolResult(f"<tool_use_error>{error.args[0]}</tool_use_error>", is_error=True)
+            workspace = self.sandbox.workspace(files)
             with self._lock:
                 self._workspaces[episode] = workspace
         return tools.call(self.sandbox, workspace, name, arguments)
