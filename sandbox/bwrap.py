@@ -192,11 +192,13 @@ class BwrapSandbox(ProcessSandbox):
         with CallFiles(uid, self.config.workdir_mb, self.config.files, name=f"workspace-{uid}") as files:
             yield files.root / "work"
 
-    def _limit(self, uid: int | None, status: int | None, stderr: str) -> str | None:
+    def _limit(self, uid: int | None, status: int | None, stderr: str, workspace: Workspace | None) -> str | None:
         """A full tmpfs whose inodes ran out ran out of files, not of bytes: Python says the same of both."""
         limit = limit_of(status, stderr)
-        if limit == "workdir" and uid is not None and self.host_tmpfs and os.statvfs(MOUNTS / str(uid)).f_ffree == 0:
-            return "files"
+        if limit == "workdir" and uid is not None and self.host_tmpfs:
+            mount = workspace.directory.parent if workspace is not None else MOUNTS / str(uid)
+            if os.statvfs(mount).f_ffree == 0:
+                return "files"
         return limit
 
     def _argv(self, program: Path, seccomp_fd: int, writable: list[str]) -> list[str]:

@@ -219,7 +219,7 @@ class ProcessSandbox(Sandbox):
         finally:
             shutil.rmtree(directory, ignore_errors=True)
 
-    def _limit(self, uid: int | None, status: int | None, stderr: str) -> str | None:
+    def _limit(self, uid: int | None, status: int | None, stderr: str, workspace: Workspace | None) -> str | None:
         """The limit a program that exited with `status` ran into, read while its `launch` block lasts."""
         return limit_of(status, stderr)
 
@@ -275,7 +275,7 @@ class ProcessSandbox(Sandbox):
                     _kill_all(uid)
             stdout, stderr = (b.decode("utf-8", "replace") for b in (out, err))
             status = None if killed_for else exit_status(process.returncode)
-            limit = killed_for or self._limit(uid, status, stderr)
+            limit = killed_for or self._limit(uid, status, stderr, workspace)
         if workspace is not None:
             workspace.last_used = time.monotonic()
         return Run(stdout, stderr, status, limit, time.monotonic() - start)

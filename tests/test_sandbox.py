@@ -115,12 +115,32 @@ finally:
 
 
 @AS_ROOT
+def test_a_workspace_keeps_its_files_across_calls_within_one_bound_and_close_removes_everything(sandbox):
+    """An episode's files: kept across its calls (one uid owns them), bounded across all of them by
+    `workdir_mb` as one call's are, and gone from the host with their processes on close()."""
+    workspace = sandbox.workspace({"repo/a.py": "x = 1\n"})
+    fill = "import os\nfor n in range(3):\n    open(f'part{n}', 'wb').write(b'x' * (900 << 10))\nprint(sorted(os.listdir('.')))"
+    first = sandbox.run_python(fill, workspace)
+    assert first.ok and first.stdout.split() == ["['part0',", "'part1',", "'part2',", "'repo']"], first.report()
+    again = sandbox.run_python(fill.replace("part", "more"), workspace)  # 5.3 MB in all: past the 4 MB bound
+    assert again.limit == "workdir", again.report()
+    seen = sandbox.run_python("import os, subprocess\nsubprocess.Popen(['sleep', '60'])\nprint(os.getuid())", workspace)
+    assert int(seen.stdout) == workspace.uid and open(workspace.directory / "repo" / "a.py").read() == "x = 1\n"
+    assert sandbox.run_python("import os\nprint(os.listdir('.'))").stdout.strip() == "[]"  # another call sees none
+    directory, uid = workspace.directory, workspace.uid
+    workspace.close()
+    assert not directory.exists() and not processes_of(uid)
+    with pytest.raises(SandboxUnavailable, match="closed"):
+        sandbox.run_python("pass", workspace)
+
+
+@AS_ROOT
 def test_a_calls_tmpfs_is_mounted_on_the_host_for_the_call_only():
     """Its /work and /dev/shm are two directories of one tmpfs with the inode limit, which is gone
     from the host when the call is, killed at the wall time or by close()."""
     box = make_sandbox(SandboxConfig(**{**LIMITS, "wall_time_s": 0.5}))
     uids, launch = [], box.launch
-    box.launch = lambda program, uid: uids.append(uid) or launch(program, uid)
+    box.launch = lambda program, uid, workspace: uids.append(uid) or launch(program, uid, workspace)
     run = box.run_python("import time\nprint(open('/proc/self/mountinfo').read(), flush=True)\ntime.sleep(60)")
     assert run.limit == "wall_time", run.report()
     mounts = {line.split()[4]: line.split() for line in run.stdout.splitlines() if line}
@@ -316,12 +336,12 @@ def test_calls_run_at_once_up_to_the_pool_size_and_close_kills_the_rest():
     running, most, lock = [0], [0], threading.Lock()
     inner = box._run
 
-    def counted(slot: int, code: str):
+    def counted(slot: int, code: str, workspace):
         with lock:
             running[0] += 1
             most[0] = max(most[0], running[0])
         try:
-            return inner(slot, code)
+            return inner(slot, code, workspace)
         finally:
             with lock:
                 running[0] -= 1
