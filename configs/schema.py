@@ -77,6 +77,20 @@ class TinyModelConfig(Section):
         return self
 
 
+class LoraConfig(Section):
+    """LoRA adapters through peft, with peft's names: only the adapters train (the optimizer holds
+    only them), and the DPO / ref_kl reference is the base model with the adapters off."""
+
+    r: int = Field(16, ge=1, description="Rank of each adapter.")
+    lora_alpha: float = Field(32.0, gt=0, description="Scale numerator: an adapter's update is lora_alpha / r × B A.")
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on an adapter's input in training.")
+    target_modules: list[str] | str = Field(
+        "all-linear",
+        description="Modules that get adapters: peft's 'all-linear' (every linear layer but the LM head) or names "
+        "such as ['q_proj', 'v_proj'].",
+    )
+
+
 class ModelConfig(Section):
     path: str = Field(
         "tiny",
@@ -88,6 +102,11 @@ class ModelConfig(Section):
         "(trainer master weights and AdamW state stay float32).",
     )
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Shape of the tiny model (path='tiny').")
+    lora: LoraConfig | None = Field(
+        None,
+        description="Train LoRA adapters (peft) instead of every weight; None trains every weight. Generators get "
+        "the merged weights; checkpoints hold the adapters and their optimizer state.",
+    )
     logprob_chunk_size: int = Field(
         1024, ge=16, description="Tokens per LM-head chunk when computing logprobs (bounds the logits memory)."
     )
@@ -720,6 +739,17 @@ class RunConfig(Section):
                 f"generator.backend = 'vllm' needs topology.generator.gpus_per_proc = 1 (vLLM's GPU build) "
                 f"or 0 (its CPU build), got {gpus}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _lora_ranks(self) -> RunConfig:
+        if self.model.lora is not None and self.trainer.parallelism == "fsdp2":
+            raise ValueError(
+                "model.lora trains on one rank or with trainer.parallelism = 'ddp'; "
+                "FSDP2 with adapters is not supported yet"
+            )
+        if self.model.lora is not None and self.trainer.diloco.replica_id is not None:
+            raise ValueError("model.lora with DiLoCo islands (trainer.diloco.replica_id) is not supported yet")
         return self
 
     @model_validator(mode="after")

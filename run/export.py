@@ -20,7 +20,8 @@ from meshrl.trainer.core import DTYPES
 
 
 def export_model(source: Path, out: Path, dtype: str) -> Path:
-    """The HF model directory at `source` (a checkpoint's `model/`) written to `out` in `dtype`."""
+    """The HF model directory at `source` (a checkpoint's `model/`) written to `out` in `dtype`; a
+    LoRA run's adapters (the checkpoint's `adapter/`, peft's format) go along as `out/adapter/`."""
     model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype])
     tokenizer = AutoTokenizer.from_pretrained(source)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -28,6 +29,8 @@ def export_model(source: Path, out: Path, dtype: str) -> Path:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        if (source.parent / "adapter").is_dir():
+            shutil.copytree(source.parent / "adapter", tmp / "adapter")
         fsync_tree(tmp)
         if out.exists():
             shutil.rmtree(out)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 from transformers import AutoTokenizer
 
@@ -33,6 +34,8 @@ class TrainerState:
     rng: dict[str, Any]
     reference: dict[str, torch.Tensor] | None
     islands: dict[str, Any] | None = None  # DiLoCo's outer state (`Islands.state`) when training in islands
+    adapters: dict[str, torch.Tensor] | None = None  # LoRA: the adapters' tensors, what a resume loads
+    adapter_config: Any = None  # LoRA: peft's config of them, saved beside them in peft's format
 
 
 def own_copy(state: Any, clone_tensors: bool) -> Any:
@@ -68,6 +71,9 @@ def write_checkpoint(
     )
     if reference is not None and state.reference is not None:  # save_pretrained stores tied weights once
         reference.save_pretrained(directory / "reference", state_dict=state.reference)
+    if state.adapters is not None:  # peft's format: PeftModel.from_pretrained(base, adapter/) loads it
+        state.adapter_config.save_pretrained(directory / "adapter")
+        save_file(state.adapters, directory / "adapter" / "adapter_model.safetensors")
     fsync_tree(directory)
 
 

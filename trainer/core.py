@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import math
 import random
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -80,7 +81,7 @@ def _to(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
 
 
 class ModelCall(nn.Module):
-    """Runs `fn(model, *args)` as its forward.
+    """Runs `fn(model, *args)` as its forward (inside `context()`: the LoRA reference's adapters off).
 
     The loss functions read the trunk and the LM head weight directly rather than calling
     the model. Under FSDP2 this module is the root unit: its forward hooks gather the
@@ -89,12 +90,13 @@ class ModelCall(nn.Module):
     find the output tensors.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, context: Callable[[], AbstractContextManager] = nullcontext) -> None:
         super().__init__()
-        self.model = model
+        self.model, self.context = model, context
 
     def forward(self, fn: Any, *args: Any) -> Any:
-        return fn(self.model, *args)
+        with self.context():
+            return fn(self.model, *args)
 
 
 def shard_fsdp2(call: ModelCall, compute_dtype: torch.dtype) -> None:
@@ -179,6 +181,13 @@ class TrainerCore:
         # most updates at RL learning rates (1e-6 moves almost no bf16 weight).
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
         self.model.train()
+        # LoRA (`model.lora`): adapters injected into `self.model` in place; only they train, and the
+        # reference is the same model with them off (no second copy).
+        self.adapters = None
+        if config.model.lora is not None:
+            from meshrl.trainer.lora import add_lora  # peft: the [lora] extra
+
+            self.adapters = add_lora(self.model, config.model.lora)
         loss = config.loss
         # One frozen reference: the DPO channel's, and ref_kl's (its `reference_path`, else the policy RL
         # starts from). It keeps float32 and computes as the policy does (autocast on one rank or DDP,
@@ -190,20 +199,25 @@ class TrainerCore:
         if self.fixed_ref:
             self.ref_model = AutoModelForCausalLM.from_pretrained(loss.reference_path, dtype=torch.float32)
             self.ref_model.to(self.device).eval().requires_grad_(False)
+        elif needs_ref and self.adapters is None:
+            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         else:
-            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if needs_ref else None
+            self.ref_model = None
         self.rl_fn = rl_loss_fn(loss)
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.fsdp = config.trainer.parallelism == "fsdp2" and self.world > 1
         self.call = ModelCall(self.model)
         self.ref_call = ModelCall(self.ref_model) if self.ref_model is not None else None
+        if needs_ref and not self.fixed_ref and self.adapters is not None:
+            self.ref_call = ModelCall(self.model, self.adapters.disable_adapter)
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         if self.fsdp:
             shard_fsdp2(self.call, self.compute_dtype)
             if self.ref_call is not None:
                 shard_fsdp2(self.ref_call, self.compute_dtype)
         t = config.trainer
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
         self.skipped_steps = 0
         self.writer = CheckpointWriter()
@@ -223,11 +237,11 @@ class TrainerCore:
     def _all_reduce_grads(self) -> None:
         if self.world == 1 or self.fsdp:  # FSDP2 reduce-scatters in its post-backward hooks
             return
-        for p in self.model.parameters():
+        for p in self.trainable:
             if p.grad is None:  # a rank with no data this step still joins the all-reduce
                 p.grad = torch.zeros_like(p)
         cap = int(self.config.trainer.grad_bucket_mb * 2**20)
-        for bucket in grad_buckets([p.grad for p in self.model.parameters()], cap):
+        for bucket in grad_buckets([p.grad for p in self.trainable], cap):
             flat = torch.cat([g.flatten() for g in bucket])
             dist.all_reduce(flat)
             flat /= self.world
@@ -243,7 +257,7 @@ class TrainerCore:
         scheduler moves on to the next step's."""
         lr = self.optimizer.param_groups[0]["lr"]
         self._all_reduce_grads()
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.trainer.max_grad_norm)
+        norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.config.trainer.max_grad_norm)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         finite = bool(torch.isfinite(norm))
@@ -380,9 +394,9 @@ class TrainerCore:
         return [prefix for prefix, weight in (("dpo_", loss.replay.weight), ("sdpo_", loss.sdpo.weight)) if weight > 0]
 
     def start_rl(self) -> None:
-        """After a warm start: the DPO reference becomes the policy RL starts from, and RL starts
-        with fresh AdamW moments (the warm start's, at its own learning rate, would steer the first
-        RL steps) unless `trainer.warm_start_keep_optimizer`."""
+        """After a warm start: the DPO reference becomes the policy RL starts from (with LoRA it stays
+        the base model, the adapters off), and RL starts with fresh AdamW moments (the warm start's, at
+        its own learning rate, would steer the first RL steps) unless `trainer.warm_start_keep_optimizer`."""
         if not self.config.trainer.warm_start_keep_optimizer:
             self.optimizer.state.clear()
         if self.ref_model is not None and not self.fixed_ref:  # shard to shard (sharded alike under FSDP2)
@@ -419,7 +433,12 @@ class TrainerCore:
         """The full policy weights on CPU on rank 0, {} on the others, in `dtype` when given
         (generators get the compute dtype; checkpoints keep the float32 masters). Every rank
         must call: under FSDP2 it is an all-gather."""
-        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.adapters is not None:  # LoRA: each adapted weight merged with its adapter, under the base names
+            from meshrl.trainer.lora import merged_weights
+
+            full = {name: value.cpu() for name, value in merged_weights(self.model).items()}
+        else:
+            full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return full if dtype is None else {name: value.to(dtype) for name, value in full.items()}
 
     def save(self, directory: str | Path, wait: bool = True) -> None:
@@ -433,10 +452,16 @@ class TrainerCore:
         weights = self.weights()
         optimizer = get_optimizer_state_dict(self.model, self.optimizer, options=options)
         reference = get_model_state_dict(self.ref_model, options=options) if self.ref_model is not None else None
+        adapters = None
+        if self.adapters is not None:
+            from meshrl.trainer.lora import adapter_weights
+
+            adapters = {name: value.cpu() for name, value in adapter_weights(self.adapters).items()}
         if self.rank != 0:
             return
-        weights, optimizer, reference, scheduler = own_copy(
-            (weights, optimizer, reference, self.scheduler.state_dict()), clone_tensors=self.device.type == "cpu"
+        weights, optimizer, reference, scheduler, adapters = own_copy(
+            (weights, optimizer, reference, self.scheduler.state_dict(), adapters),
+            clone_tensors=self.device.type == "cpu",
         )
         state = TrainerState(
             weights=weights,
@@ -446,6 +471,8 @@ class TrainerCore:
             rng={"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
             reference=reference,
             islands=self.islands.state() if self.islands is not None else self._islands_state,
+            adapters=adapters,
+            adapter_config=self.adapters.peft_config["default"] if self.adapters is not None else None,
         )
         directory = Path(directory)
         self.writer.submit(
@@ -462,9 +489,14 @@ class TrainerCore:
     def load(self, directory: str | Path) -> None:
         """Every rank reads the checkpoint rank 0 wrote and keeps its own part."""
         directory = Path(directory)
-        saved = AutoModelForCausalLM.from_pretrained(directory / "model", dtype=torch.float32)
         options = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(self.model, saved.state_dict(), options=options)
+        if self.adapters is not None:  # the base is the run's model; the adapters are what trained
+            from meshrl.trainer.lora import load_adapters
+
+            load_adapters(self.adapters, directory / "adapter")
+        else:
+            saved = AutoModelForCausalLM.from_pretrained(directory / "model", dtype=torch.float32)
+            set_model_state_dict(self.model, saved.state_dict(), options=options)
         state = torch.load(directory / "trainer.pt", weights_only=False)
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
         self.scheduler.load_state_dict(state["scheduler"])

@@ -1,0 +1,113 @@
+"""LoRA adapters (`model.lora`, through peft) in the trainer: only they train, the reference is the
+base model with them off (exact against an explicit copy), checkpoints resume exactly, generators
+get the merged weights, and the export carries the adapters in peft's format."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from meshrl.configs import load_config
+from meshrl.configs.loader import ConfigError
+from meshrl.loss_adapters.compose import reference_sums
+from meshrl.models.tiny import ensure_tiny
+from meshrl.run.export import export_model
+from meshrl.trainer.core import TrainerCore
+from tests.e2e import records, train
+from tests.test_trainer import dpo_batch, rl_batch
+from tests.test_trainer_core import QWEN_TIED
+
+LORA = [*QWEN_TIED, "--model.lora", '{"r": 4, "lora_alpha": 8}', "--trainer.lr", "1e-2"]
+
+
+@pytest.fixture
+def model_path(tmp_path) -> str:
+    return str(ensure_tiny(tmp_path / "model", load_config(QWEN_TIED).model.tiny))
+
+
+def steps(core: TrainerCore, n: int, seed: int = 0) -> None:
+    vocab = core.model.config.vocab_size
+    for i in range(n):
+        core.train_step([[rl_batch(core.model, seed + i)]], [dpo_batch(seed + i, vocab)], rl_tokens=10)
+
+
+def test_only_the_adapters_train_and_the_reference_is_the_base_model_exactly(model_path):
+    config = load_config([*LORA, "--loss.replay.weight", "0.5", "--loss.replay.variant", "dpo"])
+    core = TrainerCore(config, model_path)
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    adapters = {n for n, p in core.model.named_parameters() if p.requires_grad}
+    assert adapters and all(".lora_" in n for n in adapters)
+    assert sum(len(g["params"]) for g in core.optimizer.param_groups) == len(adapters)
+    assert core.ref_model is None  # no second copy
+    before = {n: p.detach().clone() for n, p in core.model.named_parameters()}
+    steps(core, 3)
+    after = dict(core.model.named_parameters())
+    assert all(torch.equal(after[n], before[n]) == (n not in adapters) for n in before)
+    batch = dpo_batch(7, core.model.config.vocab_size)
+    scored = core._with_reference(batch)
+    explicit = reference_sums(base, batch, config.model.logprob_chunk_size)
+    for key, value in explicit.items():
+        assert torch.equal(scored[key], value), key
+    policy = reference_sums(core.model, batch, config.model.logprob_chunk_size)  # the adapters on: not the base
+    assert not torch.equal(policy["dpo_ref_chosen_logprob"], explicit["dpo_ref_chosen_logprob"])
+
+
+def test_generators_get_the_merged_weights_and_a_resume_is_exact(model_path, tmp_path):
+    config = load_config(LORA)
+    core = TrainerCore(config, model_path)
+    steps(core, 2)
+    merged = core.weights()
+    assert not any(".lora_" in n or ".base_layer" in n for n in merged)
+    plain = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    plain.load_state_dict(merged)
+    ids = torch.randint(3, plain.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    core.model.eval()
+    with torch.no_grad():
+        assert torch.allclose(plain(ids).logits, core.model(ids).logits, atol=1e-5)
+    core.model.train()
+
+    core.save(tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / "adapter" / "adapter_config.json").is_file()
+    resumed = TrainerCore(config, model_path)
+    resumed.load(tmp_path / "ckpt")
+    steps(core, 2, seed=10)
+    steps(resumed, 2, seed=10)
+    for (name, a), b in zip(core.model.named_parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+    out = export_model(tmp_path / "ckpt" / "model", tmp_path / "export", "float32")
+    exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_path), out / "adapter")
+    with torch.no_grad():
+        assert torch.allclose(exported(ids).logits, with_adapter(ids).logits, atol=1e-5)
+
+
+def test_adapters_with_fsdp2_or_islands_are_refused_by_name():
+    with pytest.raises(ConfigError, match="model.lora.*FSDP2"):
+        load_config([*LORA, "--trainer.parallelism", "fsdp2"])
+    with pytest.raises(ConfigError, match="model.lora with DiLoCo islands"):
+        load_config([*LORA, "--trainer.diloco.replica_id", "0"])
+
+
+@pytest.mark.mesh
+def test_a_lora_run_through_the_meshes_on_two_ddp_ranks_resumes_and_exports_its_adapters(tmp_path):
+    """Two DDP trainer ranks all-reducing the adapters' gradients, the DPO reference with the adapters
+    off, generators on the merged weights; a checkpoint, a resume to the end, and `final/adapter/`."""
+    out = tmp_path / "run"
+    run = ["--model.lora", '{"r": 4, "lora_alpha": 8}', "--topology.trainer.procs", "2", "--ckpt.interval", "2",
+           "--loss.replay.variant", "dpo"]  # fmt: skip
+    first = train(out, *run, "--max-steps", "2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (out / "checkpoints" / "step_2" / "adapter" / "adapter_model.safetensors").is_file()
+    again = train(out, *run, "--max-steps", "4", "--resume")
+    assert again.returncode == 0, again.stderr[-3000:]
+    rows = records(out)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert all(r["grad_norm"] > 0 for r in rows[1:]) and any(r.get("loss/replay", 0) != 0 for r in rows)
+    assert (out / "final" / "adapter" / "adapter_config.json").is_file()
+    exported = AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(out / "tiny_model", dtype=torch.float32)
+    changed = [n for n, p in exported.named_parameters() if not torch.equal(p, base.state_dict()[n])]
+    assert changed and all("proj" in n for n in changed)  # the adapted linear layers, nothing else
