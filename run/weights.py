@@ -21,6 +21,7 @@ from meshrl.ingress.server import IngressServer
 from meshrl.run.meshes import Meshes
 from meshrl.run.run_dir import RunDir
 from meshrl.topology.faults import RunStopped, SupervisionError
+from meshrl.trainer.lora import lora_generators
 
 
 class WeightPublisher:
@@ -96,16 +97,17 @@ class WeightPublisher:
         self.version = version  # a generator replaced while earlier loads settle gets this one
         self.settle()  # the buffer is refilled in place, old files removed: earlier reads must be done
         generators, sync = self.meshes.generators, self.config.generator.weight_sync
+        adapters = lora_generators(self.config)  # LoRA on HF engines: the adapters alone travel
         if sync == "rdma":
-            buffer, layout = self.meshes.trainer_value("policy_weights_rdma")
+            buffer, layout = self.meshes.trainer_value("policy_weights_rdma", adapters)
             for rank in ranks:
                 self.pulls[rank] = generators[rank].pull_weights.call_one(buffer, layout, version, wait)
         elif sync == "filesystem":
-            path = self.meshes.trainer_value("policy_weights_file", str(self.run.weights_file(version)))
+            path = self.meshes.trainer_value("policy_weights_file", str(self.run.weights_file(version)), adapters)
             self.run.prune_weights(keep=Path(path))  # every earlier version's reads are settled
             for rank in ranks:
                 self.pulls[rank] = generators[rank].read_weights.call_one(path, version, wait)
         else:
-            weights = self.meshes.trainer_value("policy_weights")
+            weights = self.meshes.trainer_value("policy_weights", adapters)
             for rank in ranks:
                 self.pulls[rank] = generators[rank].load_weights.call_one(weights, version, wait)

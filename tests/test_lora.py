@@ -11,10 +11,12 @@ from transformers import AutoModelForCausalLM
 
 from meshrl.configs import load_config
 from meshrl.configs.loader import ConfigError
+from meshrl.inference.hf_engine import HFEngine
 from meshrl.loss_adapters.compose import reference_sums
 from meshrl.models.tiny import ensure_tiny
 from meshrl.run.export import export_model
 from meshrl.trainer.core import TrainerCore
+from meshrl.trainer.lora import add_lora
 from tests.e2e import records, train
 from tests.test_trainer import dpo_batch, rl_batch
 from tests.test_trainer_core import QWEN_TIED
@@ -84,6 +86,25 @@ def test_generators_get_the_merged_weights_and_a_resume_is_exact(model_path, tmp
         assert torch.allclose(exported(ids).logits, with_adapter(ids).logits, atol=1e-5)
 
 
+def test_an_hf_engine_with_the_adapters_injected_takes_them_alone_and_samples_the_trainers_policy(model_path):
+    config = load_config(LORA)
+    core = TrainerCore(config, model_path)
+    steps(core, 2)
+    sent = core.weights(torch.float32, adapters_only=True)
+    assert sent and all(".lora_" in name for name in sent)
+    engine = HFEngine.from_pretrained(model_path)
+    add_lora(engine.model, config.model.lora).eval()
+    engine.load_weights(sent, version=2)
+    ids = torch.randint(3, core.model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    core.model.eval()
+    with torch.no_grad():
+        assert torch.allclose(engine.model(ids).logits, core.model(ids).logits, atol=1e-6)
+        plain = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        assert not torch.allclose(plain(ids).logits, core.model(ids).logits, atol=1e-3)  # the adapters moved it
+    full = core.weights(torch.float32)
+    assert sum(v.numel() for v in sent.values()) < 0.2 * sum(v.numel() for v in full.values())
+
+
 def test_adapters_with_fsdp2_or_islands_are_refused_by_name():
     with pytest.raises(ConfigError, match="model.lora.*FSDP2"):
         load_config([*LORA, "--trainer.parallelism", "fsdp2"])
@@ -97,7 +118,8 @@ def test_a_lora_run_through_the_meshes_on_two_ddp_ranks_resumes_and_exports_its_
     off, generators on the merged weights; a checkpoint, a resume to the end, and `final/adapter/`."""
     out = tmp_path / "run"
     run = ["--model.lora", '{"r": 4, "lora_alpha": 8}', "--topology.trainer.procs", "2", "--ckpt.interval", "2",
-           "--loss.replay.variant", "dpo"]  # fmt: skip
+           "--loss.replay.variant", "dpo", "--generator.weight_sync", "filesystem", "--trainer.lr", "1e-2",
+           "--generator.max_async_level", "0"]  # fmt: skip
     first = train(out, *run, "--max-steps", "2")
     assert first.returncode == 0, first.stderr[-3000:]
     assert (out / "checkpoints" / "step_2" / "adapter" / "adapter_model.safetensors").is_file()
@@ -105,6 +127,9 @@ def test_a_lora_run_through_the_meshes_on_two_ddp_ranks_resumes_and_exports_its_
     assert again.returncode == 0, again.stderr[-3000:]
     rows = records(out)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    # The generators' HF engines hold the adapters and are sent them alone: they sample the trainer's policy.
+    # (on-policy, at lr 1e-2 the adapters move: engines left on older adapters would sample another policy)
+    assert all(r["unmasked_mismatch_kl"] < 1e-4 for r in rows), [r["unmasked_mismatch_kl"] for r in rows]
     assert all(r["grad_norm"] > 0 for r in rows[1:]) and any(r.get("loss/replay", 0) != 0 for r in rows)
     assert (out / "final" / "adapter" / "adapter_config.json").is_file()
     exported = AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32)

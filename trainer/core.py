@@ -211,11 +211,12 @@ class TrainerCore:
         self.ref_call = ModelCall(self.ref_model) if self.ref_model is not None else None
         if needs_ref and not self.fixed_ref and self.adapters is not None:
             self.ref_call = ModelCall(self.model, self.adapters.disable_adapter)
-        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         if self.fsdp:
             shard_fsdp2(self.call, self.compute_dtype)
             if self.ref_call is not None:
                 shard_fsdp2(self.ref_call, self.compute_dtype)
+        # After sharding: FSDP2 replaces the parameters with sharded ones, which the optimizer must hold.
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         t = config.trainer
         self.optimizer = torch.optim.AdamW(self.trainable, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
@@ -429,11 +430,14 @@ class TrainerCore:
 
     # ------------------------------------------------------------------ weights and checkpoints
 
-    def weights(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    def weights(self, dtype: torch.dtype | None = None, adapters_only: bool = False) -> dict[str, torch.Tensor]:
         """The full policy weights on CPU on rank 0, {} on the others, in `dtype` when given
         (generators get the compute dtype; checkpoints keep the float32 masters). Every rank
-        must call: under FSDP2 it is an all-gather."""
-        if self.adapters is not None:  # LoRA: each adapted weight merged with its adapter, under the base names
+        must call: under FSDP2 it is an all-gather. `adapters_only` (LoRA): the adapters' tensors
+        alone, under the names an engine with the same adapters injected has (`lora_generators`)."""
+        if adapters_only:
+            full = {name: value.detach().cpu() for name, value in self.model.state_dict().items() if ".lora_" in name}
+        elif self.adapters is not None:  # LoRA: each adapted weight merged with its adapter, under the base names
             from meshrl.trainer.lora import merged_weights
 
             full = {name: value.cpu() for name, value in merged_weights(self.model).items()}

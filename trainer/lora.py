@@ -9,22 +9,34 @@ alone are what trains and what a checkpoint resumes from (`adapter/`, peft's for
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from peft import LoraConfig as PeftLoraConfig
-from peft import PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
-from peft.tuners.lora import LoraLayer
 from safetensors.torch import load_file
 from torch import nn
 
-from meshrl.configs.schema import LoraConfig
+from meshrl.configs.schema import LoraConfig, RunConfig
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 ADAPTER = "default"  # peft's name for a model's one adapter
+# peft (the [lora] extra) is imported where adapters are made or read: runs without adapters need it not.
+
+
+def lora_generators(config: RunConfig) -> bool:
+    """Whether the generators hold the adapters themselves, so that a weight sync sends them alone:
+    HF engines (injected like the trainer's model, `add_lora`). vLLM engines get the merged weights."""
+    return config.model.lora is not None and config.generator.backend == "hf"
 
 
 def add_lora(model: nn.Module, config: LoraConfig) -> PeftModel:
     """Adapters injected into `model` (which then holds them: train through `model` itself); the
-    PeftModel returned turns them off (`disable_adapter()`) and saves them in peft's format."""
+    PeftModel returned turns them off (`disable_adapter()`) and saves them in peft's format. The
+    adapters start as the identity (B = 0): an engine given them holds the base model until loaded."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
     settings = PeftLoraConfig(
         r=config.r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
         target_modules=config.target_modules, task_type="CAUSAL_LM",
@@ -37,6 +49,8 @@ def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     merged with its adapter's delta (the model is left as it is)."""
     weights = {key.replace(".base_layer.", "."): value.detach() for key, value in model.state_dict().items()
                if ".lora_" not in key}  # fmt: skip
+    from peft.tuners.lora import LoraLayer
+
     with torch.no_grad():
         for name, module in model.named_modules():
             if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
@@ -47,11 +61,15 @@ def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def adapter_weights(adapters: PeftModel) -> dict[str, torch.Tensor]:
     """The adapters' tensors, as peft saves them."""
+    from peft import get_peft_model_state_dict
+
     return {key: value.detach() for key, value in get_peft_model_state_dict(adapters).items()}
 
 
 def load_adapters(adapters: PeftModel, directory: Path) -> None:
     """The adapter weights a checkpoint saved (`adapter/adapter_model.safetensors`), loaded in place."""
+    from peft import set_peft_model_state_dict
+
     result = set_peft_model_state_dict(adapters, load_file(directory / "adapter_model.safetensors"))
     missing = [key for key in result.missing_keys if ".lora_" in key]
     if missing or result.unexpected_keys:
