@@ -48,9 +48,13 @@ class TinyModelConfig(Section):
     num_layers: int = Field(2, ge=1, le=48, description="Decoder layers of the tiny transformer.")
     num_heads: int = Field(4, ge=1, le=64, description="Attention heads of the tiny transformer.")
     max_position_embeddings: int = Field(2048, ge=64, description="Longest sequence the tiny transformer accepts.")
-    family: Literal["llama", "qwen2", "qwen3"] = Field(
-        "llama", description="Architecture of the tiny transformer (Qwen families: the shapes real checkpoints have)."
+    family: Literal["llama", "qwen2", "qwen3", "qwen3_moe"] = Field(
+        "llama",
+        description="Architecture of the tiny transformer (Qwen families: the shapes real checkpoints have; "
+        "qwen3_moe: Qwen3-MoE's, experts with top-k routing and no shared expert).",
     )
+    num_experts: int = Field(8, ge=2, le=256, description="qwen3_moe: experts in each decoder layer.")
+    experts_per_token: int = Field(2, ge=1, le=32, description="qwen3_moe: experts each token is routed to (top-k).")
     num_kv_heads: int | None = Field(
         None,
         ge=1,
@@ -74,6 +78,8 @@ class TinyModelConfig(Section):
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
         if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.num_kv_heads}")
+        if self.experts_per_token > self.num_experts:
+            raise ValueError(f"experts_per_token {self.experts_per_token} > num_experts {self.num_experts}")
         return self
 
 

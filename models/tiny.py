@@ -22,6 +22,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from meshrl.configs.schema import TinyModelConfig
@@ -31,6 +33,7 @@ FAMILIES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
 }
 
 SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -148,12 +151,16 @@ def build_tokenizer(vocab_size: int, chat_template: str = "chatml") -> PreTraine
 
 
 def build_model(spec: TinyModelConfig, tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> PreTrainedModel:
-    """A randomly initialised causal LM of `spec.family` (Llama, Qwen2, Qwen3), optionally with
-    grouped-query attention and tied embeddings, as real checkpoints have them."""
+    """A randomly initialised causal LM of `spec.family` (Llama, Qwen2, Qwen3, Qwen3-MoE), optionally
+    with grouped-query attention and tied embeddings, as real checkpoints have them."""
     import torch
 
     torch.manual_seed(seed)
     config_class, model_class = FAMILIES[spec.family]
+    experts = {}
+    if spec.family == "qwen3_moe":  # Qwen3-MoE's shape: every layer sparse, top-k weights renormalised
+        experts = {"num_experts": spec.num_experts, "num_experts_per_tok": spec.experts_per_token,
+                   "moe_intermediate_size": spec.hidden_size * 2, "decoder_sparse_step": 1, "norm_topk_prob": True}  # fmt: skip
     config = config_class(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
@@ -166,6 +173,7 @@ def build_model(spec: TinyModelConfig, tokenizer: PreTrainedTokenizerFast, seed:
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
+        **experts,
     )
     return model_class(config)
 

@@ -59,6 +59,13 @@ METRICS: dict[str, dict[str, str]] = {
         "grad_norm": "Gradient L2 norm before clipping (null in metrics.jsonl on a step skipped for a NaN/Inf gradient).",
         "skipped_steps": "Optimizer steps skipped so far for a NaN/Inf gradient (cumulative).",
         "lr": "Learning rate this step used (a warm-start step's own).",
+        "moe/expert_load_max": "Mixture-of-experts policies: the most loaded expert's share of its layer's token "
+        "assignments in the step's trainer forwards, × num_experts (1: even; num_experts: every token on it). "
+        "The moe/ keys are absent on a step whose trainer ran no forward (no informative rollout, no pair).",
+        "moe/expert_load_min": "Mixture-of-experts policies: the least loaded expert's share, × num_experts (0: an "
+        "expert no token reached).",
+        "moe/router_entropy": "Mixture-of-experts policies: mean entropy (nats) of the first layer's router "
+        "distribution over the experts, per token (log num_experts: uniform).",
     },
     "Losses": {
         "loss/total": "loss/rl + replay weight · loss/replay + SDPO weight · loss/sdpo.",

@@ -66,8 +66,8 @@ class FakeMeshes:
         self.weights = {k: v.clone() for k, v in self.generators[0].engine.model.state_dict().items()}
         self.replaced: list[int] = []
 
-    def trainer_value(self, endpoint: str, path: str) -> str:
-        assert endpoint == "policy_weights_file"
+    def trainer_value(self, endpoint: str, path: str, adapters_only: bool = False) -> str:
+        assert endpoint == "policy_weights_file" and not adapters_only  # no model.lora here: full weights
         save_weights_file(self.weights, Path(path))
         return path
 

@@ -54,6 +54,7 @@ from meshrl.loss_adapters.compose import (
 )
 from meshrl.loss_adapters.logprobs import sequence_token_logprobs
 from meshrl.trainer.checkpoint import CheckpointWriter, TrainerState, own_copy, write_checkpoint
+from meshrl.trainer.router import RouterStats
 
 if TYPE_CHECKING:
     from meshrl.trainer.islands import Islands
@@ -217,6 +218,7 @@ class TrainerCore:
                 shard_fsdp2(self.ref_call, self.compute_dtype)
         # After sharding: FSDP2 replaces the parameters with sharded ones, which the optimizer must hold.
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.router = RouterStats.attach(self.model)  # a mixture of experts: its expert load per step
         t = config.trainer
         self.optimizer = torch.optim.AdamW(self.trainable, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
@@ -335,6 +337,8 @@ class TrainerCore:
         if self.config.trainer.diloco.replica_id is not None and self.islands is None:
             self._join_islands()
         weighted, rank_loss, sdpo_tokens = Weighted(), 0.0, 0.0
+        if self.router is not None:
+            self.router.take()  # what the last step's other forwards (a warm start, a checkpoint) counted
         for batch, weight in self._passes(rl_shards, rank):
             loss, out = self._loss(batch, max(1, rl_tokens) / self.world)
             (loss * weight).backward()
@@ -362,6 +366,8 @@ class TrainerCore:
                         weighted.add(name, float(value), counts_by_rank[rank])
             if channel == "sdpo_" and sum(counts_by_rank):
                 sdpo_tokens = float(sum(counts_by_rank))  # every rank knows every rank's count
+        for name, value, tokens in self.router.take() if self.router is not None else ():
+            weighted.add(name, value, tokens)
         metrics = weighted.reduced(self.world)
         if sdpo_tokens:
             metrics["sdpo/tokens"] = sdpo_tokens
