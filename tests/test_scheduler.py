@@ -209,25 +209,33 @@ class EpisodicPollTask(GatedPollTask):
         self.open_episodes.discard(episode)
 
 
+def finished_beside_the_gate(sched: EpisodeScheduler, prompts: list[Prompt], count: int) -> list[FinishedGroup]:
+    """Submit one group of one sample per prompt; return once `count` of them finished (the gated
+    prompt's episode is held in its tool call meanwhile)."""
+    sched.submit([GroupRequest(p.prompt_id, p, 1, seed=i) for i, p in enumerate(prompts)])
+    done: list[FinishedGroup] = []
+    deadline = time.monotonic() + 60
+    while len(done) < count:
+        assert time.monotonic() < deadline, f"only {len(done)} of {count} groups finished beside the gated one"
+        done += sched.take(0.5)
+    return done
+
+
 def test_an_episodic_tasks_state_ends_with_its_episode_finished_or_cut_short_by_close(poll_model):
     task = EpisodicPollTask()
     prompts = task.sample_prompts(random.Random(3), 3)
     prompts[0].prompt_id = "gated"
     sched = scheduler(poll_model, task, max_episodes=4)
     try:
-        sched.submit([GroupRequest(p.prompt_id, p, 1, seed=i) for i, p in enumerate(prompts)])
-        done: list[FinishedGroup] = []
-        deadline = time.monotonic() + 60
-        while len(done) < 2:
-            assert time.monotonic() < deadline, "the ungated episodes did not finish"
-            done += sched.take(0.5)
+        done = finished_beside_the_gate(sched, prompts, 2)
         rollouts = [r for g in done for r in g.rollouts]
         assert all(r.episode_id in task.seen and r.episode_id not in task.open_episodes for r in rollouts)
         assert len(task.open_episodes) == 1  # the gated episode, waiting in its tool call
+        sched.close()  # while it waits: the episode is cancelled, and its state ends with it
+        assert not task.open_episodes and len(task.seen) == 3
     finally:
         task.gate.set()
         sched.close()
-    assert not task.open_episodes and len(task.seen) == 3
 
 
 def test_a_finished_episodes_slot_is_refilled_while_another_continues(poll_model):
@@ -236,12 +244,7 @@ def test_a_finished_episodes_slot_is_refilled_while_another_continues(poll_model
     prompts[0].prompt_id = "gated"
     sched = scheduler(poll_model, task, max_episodes=2)
     try:
-        sched.submit([GroupRequest(p.prompt_id, p, 1, seed=i) for i, p in enumerate(prompts)])
-        done: list[FinishedGroup] = []
-        deadline = time.monotonic() + 60
-        while len(done) < 3:  # with 2 slots and one of them held at the gate
-            assert time.monotonic() < deadline, f"only {len(done)} of 3 groups finished beside the gated one"
-            done += sched.take(0.5)
+        done = finished_beside_the_gate(sched, prompts, 3)  # with 2 slots and one of them held at the gate
         assert "gated" in task.calls  # the gated episode is mid-episode, in its tool call
         task.gate.set()
         done += sched.take(60.0)
