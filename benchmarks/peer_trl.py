@@ -19,6 +19,9 @@ first reaches the threshold; then, per trainer, in how many seeds it got there a
 samples to it. At large learning rates the first noisy steps decide a run, so one seed per
 trainer is no comparison. The curves go to docs/peer_trl.png.
 
+`--lora R` adds a LoRA arm for each trainer: rank R, alpha 2R, every linear layer but the head
+(the same peft config for both), at `--lora-lr` (default 3e-3, LoRA's usual tenfold rate).
+
 `--lockstep` compares the updates instead of the runs: TRL samples and steps, and after each of
 its steps meshrl's trainer steps on the same batch; the weight gap per step shows whether anything
 but the sampling differs (`--zero-advantage-tokens count` gives meshrl TRL's loss normaliser).
@@ -76,7 +79,12 @@ class Curve:
         return None
 
 
-def run_meshrl(args: argparse.Namespace, out: Path, refill: int, backend: str = "hf") -> Curve:
+def lora_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The LoRA arms' adapters, the same for both trainers (peft's names): rank `--lora`, alpha 2 x rank."""
+    return {"r": args.lora, "lora_alpha": 2 * args.lora, "target_modules": "all-linear"}
+
+
+def run_meshrl(args: argparse.Namespace, out: Path, refill: int, backend: str = "hf", lora: bool = False) -> Curve:
     cmd = [sys.executable, "-m", "meshrl.cli.main", "train", "@", str(REPO / "configs" / "local.toml"),
            "@", str(REPO / "configs" / "smollm2.toml"), "--output-dir", str(out), "--overwrite",
            "--max-steps", str(args.steps), "--ckpt.interval", str(args.steps), "--seed", str(args.seed),
@@ -86,17 +94,25 @@ def run_meshrl(args: argparse.Namespace, out: Path, refill: int, backend: str = 
            "--generator.max_async_level", str(args.async_level), "--generator.backend", backend,
            "--trainer.zero_advantage_tokens", args.zero_advantage_tokens,
            "--task.kwargs", json.dumps(task_config(args.system_prompt).kwargs)]  # fmt: skip
+    if lora:
+        cmd += ["--model.lora", json.dumps(lora_settings(args)), "--trainer.lr", str(args.lora_lr)]
     with (out.parent / f"{out.name}.log").open("w") as log:
         done = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=log, env={**os.environ, "RUST_LOG": "warn"})
     assert done.returncode == 0, (out.parent / f"{out.name}.log").read_text()[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     name = f"meshrl, refill {refill}" if refill else "meshrl" if backend == "hf" else f"meshrl, {backend}"
+    name += f", LoRA r {args.lora}" if lora else ""
     return Curve(name, [r["reward/mean"] for r in records], [r["rollouts"] for r in records],
                  [r["time/step"] for r in records])  # fmt: skip
 
 
 def trl_trainer(
-    args: argparse.Namespace, model_dir: Path, out: Path, cls: Any = None, callbacks: list | None = None
+    args: argparse.Namespace,
+    model_dir: Path,
+    out: Path,
+    cls: Any = None,
+    callbacks: list | None = None,
+    lora: bool = False,
 ) -> Any:
     """TRL's GRPOTrainer (or subclass `cls`) on meshrl's letters prompts and reward, meshrl's settings."""
     from datasets import Dataset
@@ -118,14 +134,20 @@ def trl_trainer(
         weight_decay=0.0, max_grad_norm=1.0, use_cpu=True, bf16=False, logging_steps=1, save_strategy="no",
         report_to="none", seed=args.seed, shuffle_dataset=False, disable_tqdm=True,
     )  # fmt: skip
+    adapters = {}
+    if lora:
+        from peft import LoraConfig
+
+        config.learning_rate = args.lora_lr
+        adapters = {"peft_config": LoraConfig(task_type="CAUSAL_LM", **lora_settings(args))}
     return (cls or GRPOTrainer)(
         model=AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32"),
         processing_class=AutoTokenizer.from_pretrained(model_dir),
-        reward_funcs=reward, args=config, train_dataset=dataset, callbacks=callbacks or [],
+        reward_funcs=reward, args=config, train_dataset=dataset, callbacks=callbacks or [], **adapters,
     )  # fmt: skip
 
 
-def run_trl(args: argparse.Namespace, model_dir: Path, out: Path) -> Curve:
+def run_trl(args: argparse.Namespace, model_dir: Path, out: Path, lora: bool = False) -> Curve:
     from transformers import TrainerCallback
 
     class StepTimes(TrainerCallback):
@@ -139,10 +161,15 @@ def run_trl(args: argparse.Namespace, model_dir: Path, out: Path) -> Curve:
             self.seconds.append(time.perf_counter() - self.start)
 
     times = StepTimes()
-    trainer = trl_trainer(args, model_dir, out, callbacks=[times])
+    trainer = trl_trainer(args, model_dir, out, callbacks=[times], lora=lora)
     trainer.train()
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
-    return Curve("TRL GRPOTrainer", rewards, [args.prompts * args.samples] * len(rewards), times.seconds)
+    return Curve(
+        "TRL GRPOTrainer" + (f", LoRA r {args.lora}" if lora else ""),
+        rewards,
+        [args.prompts * args.samples] * len(rewards),
+        times.seconds,
+    )
 
 
 def lockstep(args: argparse.Namespace, model_dir: Path, out: Path) -> None:
@@ -229,6 +256,8 @@ def main() -> None:
     parser.add_argument(
         "--vllm", action="store_true", help="also run meshrl with generator.backend = vllm (its CPU build)"
     )
+    parser.add_argument("--lora", type=int, default=0, help="also run both trainers with LoRA adapters of this rank")
+    parser.add_argument("--lora-lr", type=float, default=3e-3, help="the LoRA arms' learning rate")
     parser.add_argument("--lockstep", action="store_true",
                         help="instead: meshrl's trainer steps on TRL's own batches; prints the weight gap per step")  # fmt: skip
     parser.add_argument("--out", default="runs/peer_trl")
@@ -250,6 +279,9 @@ def main() -> None:
             curves.append(run_meshrl(args, root / f"meshrl_refill_s{seed}", args.refill))
         if args.vllm:
             curves.append(run_meshrl(args, root / f"meshrl_vllm_s{seed}", 0, backend="vllm"))
+        if args.lora:
+            curves.append(run_meshrl(args, root / f"meshrl_lora_s{seed}", 0, lora=True))
+            curves.append(run_trl(args, model_dir, root / f"trl_lora_s{seed}", lora=True))
         runs[seed] = [*curves, run_trl(args, model_dir, root / f"trl_s{seed}")]
 
     system = f', system prompt "{args.system_prompt}"' if args.system_prompt else ""
