@@ -185,6 +185,12 @@ class GatedPollTask(PollTask):
         self.gate = threading.Event()
         self.calls: list[str] = []
 
+    def gated_prompts(self, seed: int, n: int) -> list[Prompt]:
+        """`n` prompts, the first of them the gated one."""
+        prompts = self.sample_prompts(random.Random(seed), n)
+        prompts[0].prompt_id = "gated"
+        return prompts
+
     def call_tool(self, prompt: Prompt, name: str, arguments: dict) -> ToolResult:
         self.calls.append(prompt.prompt_id)
         if prompt.prompt_id == "gated":
@@ -223,8 +229,7 @@ def finished_beside_the_gate(sched: EpisodeScheduler, prompts: list[Prompt], cou
 
 def test_an_episodic_tasks_state_ends_with_its_episode_finished_or_cut_short_by_close(poll_model):
     task = EpisodicPollTask()
-    prompts = task.sample_prompts(random.Random(3), 3)
-    prompts[0].prompt_id = "gated"
+    prompts = task.gated_prompts(3, 3)
     sched = scheduler(poll_model, task, max_episodes=4)
     try:
         done = finished_beside_the_gate(sched, prompts, 2)
@@ -240,8 +245,7 @@ def test_an_episodic_tasks_state_ends_with_its_episode_finished_or_cut_short_by_
 
 def test_a_finished_episodes_slot_is_refilled_while_another_continues(poll_model):
     task = GatedPollTask()
-    prompts = task.sample_prompts(random.Random(2), 4)
-    prompts[0].prompt_id = "gated"
+    prompts = task.gated_prompts(2, 4)
     sched = scheduler(poll_model, task, max_episodes=2)
     try:
         done = finished_beside_the_gate(sched, prompts, 3)  # with 2 slots and one of them held at the gate

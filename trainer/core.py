@@ -442,7 +442,9 @@ class TrainerCore:
         must call: under FSDP2 it is an all-gather. `adapters_only` (LoRA): the adapters' tensors
         alone, under the names an engine with the same adapters injected has (`lora_generators`)."""
         if adapters_only:
-            full = {name: value.detach().cpu() for name, value in self.model.state_dict().items() if ".lora_" in name}
+            from meshrl.trainer.lora import engine_adapter_weights
+
+            full = {name: value.cpu() for name, value in engine_adapter_weights(self.model).items()}
         elif self.adapters is not None:  # LoRA: each adapted weight merged with its adapter, under the base names
             from meshrl.trainer.lora import merged_weights
 

@@ -59,6 +59,12 @@ def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return weights
 
 
+def engine_adapter_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters' tensors under the names `model` holds them by: what an engine with the same
+    adapters injected (`add_lora`) loads, where peft's saved names (`adapter_weights`) differ."""
+    return {key: value.detach() for key, value in model.state_dict().items() if ".lora_" in key}
+
+
 def adapter_weights(adapters: PeftModel) -> dict[str, torch.Tensor]:
     """The adapters' tensors, as peft saves them."""
     from peft import get_peft_model_state_dict
