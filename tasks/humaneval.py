@@ -32,6 +32,7 @@ import copy
 import random
 import re
 import sys
+import threading
 import time
 import types
 from collections.abc import Callable
@@ -97,6 +98,18 @@ def main(source, entry, calls):
     results = [result(candidate, call) for call in calls]
     print("\\n" + RESULTS + repr(results))  # on a line of its own, whatever the answer printed
 """
+
+# CPython 3.11's AST conversion keeps one recursion counter per interpreter: scorer threads parsing
+# at once failed with "SystemError: AST constructor recursion depth mismatch" (once, in a fresh-clone
+# CI run of the 164 canonical solutions on 4 threads). The host's parses of literals take turns.
+_PARSING = threading.Lock()
+
+
+def literal(text: str) -> Any:
+    """`ast.literal_eval(text)`, one thread at a time."""
+    with _PARSING:
+        return ast.literal_eval(text)
+
 
 FENCED = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
 
@@ -172,7 +185,7 @@ def record(problem: dict[str, Any]) -> Recording:
 
     check_of(problem, recorded)(recorded)
     texts = tuple(repr(call) for call in calls)
-    if any(ast.literal_eval(text) != call for text, call in zip(texts, calls)):
+    if any(literal(text) != call for text, call in zip(texts, calls)):
         raise ValueError(f"{problem['task_id']}: its tests call the function with arguments that are no literals")
     return Recording(tuple(calls), texts)
 
@@ -201,7 +214,7 @@ def claimed_results(run: Run, calls: int) -> list[tuple[str, Any]] | None:
     if not run.ok or len(lines) != 1 or len(lines[0]) > RESULTS_CHARS:
         return None
     try:
-        results = ast.literal_eval(lines[0][len(RESULTS) :])
+        results = literal(lines[0][len(RESULTS) :])
         well_formed = type(results) is list and len(results) == calls and is_literal(results)
     except Exception:  # noqa: BLE001 - whatever the line makes the parser raise (nesting, int digits), it claims nothing
         return None
