@@ -1,13 +1,15 @@
 """GPU checks on a Qwen3-0.6B-shaped model with random weights, one process, one GPU.
 
-    python benchmarks/gpu_checks.py [--seq 4096 8192 16384] [--steps 3] [--small]
+    python benchmarks/gpu_checks.py [--seq 4096 8192 16384] [--steps 3] [--lora R] [--small]
 
 1. `TrainerCore` in bf16 (float32 master weights, autocast), one packed RL sequence of each
    `--seq` length per step: tokens/s, MFU and peak GPU memory. MFU is printed in two
    conventions: PRIME-RL's (6·N·tokens + 12·layers·d_model·seq, N with the embedding; its
    benchmark table gives Qwen3-0.6B 11.9k tokens/s at 11.1% MFU on one H100 at seq 16384,
    with activation recomputation and FlashAttention 3) and torchtitan's (6·N without the
-   embedding + 12·layers·heads·head_dim·seq).
+   embedding + 12·layers·heads·head_dim·seq). `--lora R` repeats it with `model.lora` (rank R,
+   alpha 2R, every linear layer) in the same process: its peak memory and tokens/s beside full
+   weights' (MFU counts the full model's FLOPs, as a LoRA step still runs the whole model).
 2. bf16 against float32 next-token distributions (the trainer's trunk and head): autocast over
    float32 weights (the trainer's way) and a bf16 copy of the weights (the HF engine's way).
 3. The HF engine's sampled tokens/s in bf16 (`generate`, T 1.0), against transformers' own
@@ -22,6 +24,7 @@ entropy. Neither is a trained model: the numbers describe bf16 rounding, not Smo
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import tempfile
@@ -97,18 +100,27 @@ def rl_batch(core: TrainerCore, seq: int, seed: int) -> dict[str, torch.Tensor]:
     return {k: v.to(core.device) for k, v in batch.items()}
 
 
-def trainer(path: Path, model_config: Qwen3Config, seqs: list[int], steps: int, device: str) -> None:
-    core = TrainerCore(load_config(["--model.dtype", "bfloat16"]), str(path), device=device)
-    for seq in seqs:
-        try:
-            step_report(core, model_config, seq, steps, device)
-        except torch.OutOfMemoryError as exc:
-            print(f"trainer seq {seq:>5}: out of memory ({str(exc).splitlines()[0]})", flush=True)
+def trainer(path: Path, model_config: Qwen3Config, seqs: list[int], steps: int, device: str, lora: int) -> None:
+    """Full weights, then (with `lora` > 0) LoRA adapters of that rank, one fresh core each."""
+    arms = {"full": []} | ({f"lora r={lora}": ["--model.lora", json.dumps({"r": lora, "lora_alpha": 2 * lora})]}
+                           if lora else {})  # fmt: skip
+    for name, overrides in arms.items():
+        core = TrainerCore(load_config(["--model.dtype", "bfloat16", *overrides]), str(path), device=device)
+        trained = sum(p.numel() for p in core.trainable)
+        print(f"trainer {name}: {trained:,} trained parameters", flush=True)
+        for seq in seqs:
+            try:
+                step_report(core, model_config, seq, steps, device, name)
+            except torch.OutOfMemoryError as exc:
+                print(f"trainer {name} seq {seq:>5}: out of memory ({str(exc).splitlines()[0]})", flush=True)
+        del core
+        if device == "cuda":
             torch.cuda.empty_cache()
-    del core
 
 
-def step_report(core: TrainerCore, model_config: Qwen3Config, seq: int, steps: int, device: str) -> None:
+def step_report(
+    core: TrainerCore, model_config: Qwen3Config, seq: int, steps: int, device: str, name: str
+) -> None:
     """Warm-up step, then the median of `steps` timed steps on one packed sequence of `seq` tokens."""
     batch = rl_batch(core, seq, seed=seq)
     rl_tokens = int(batch["loss_mask"].sum())
@@ -124,7 +136,7 @@ def step_report(core: TrainerCore, model_config: Qwen3Config, seq: int, steps: i
     rate = seq / step_s
     mfu = {name: rate * f / peak_flops() for name, f in flops_per_token(model_config, seq).items()}
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
-    print(f"trainer seq {seq:>5}: {step_s:.3f} s/step, {rate:,.0f} tokens/s, MFU {mfu['prime-rl']:.1%} "
+    print(f"trainer {name} seq {seq:>5}: {step_s:.3f} s/step, {rate:,.0f} tokens/s, MFU {mfu['prime-rl']:.1%} "
           f"(PRIME-RL's formula) / {mfu['torchtitan']:.1%} (torchtitan's), peak {peak:.1f} GiB, "
           f"loss {metrics['loss/total']:.4f}, grad_norm {metrics['grad_norm']:.3f}", flush=True)  # fmt: skip
 
@@ -193,6 +205,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--prompts", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--lora", type=int, default=0, help="also a LoRA arm of this rank (0: full weights only)")
     parser.add_argument("--small", action="store_true", help="a tiny model of the same family, for a CPU check")
     parser.add_argument("--skip", nargs="*", default=[], choices=["trainer", "parity", "engine"])
     args = parser.parse_args()
@@ -206,7 +219,7 @@ def main() -> None:
             Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp)
         print(f"built {config.num_hidden_layers}-layer Qwen3 ({time.perf_counter() - start:.0f} s)", flush=True)
         if "trainer" not in args.skip:
-            trainer(Path(tmp), config, args.seq, args.steps, device)
+            trainer(Path(tmp), config, args.seq, args.steps, device, args.lora)
         if "parity" not in args.skip:
             for sharpen in (1.0, 8.0):
                 parity(Path(tmp), min(args.seq), device, sharpen)
