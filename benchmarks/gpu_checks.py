@@ -118,9 +118,7 @@ def trainer(path: Path, model_config: Qwen3Config, seqs: list[int], steps: int, 
             torch.cuda.empty_cache()
 
 
-def step_report(
-    core: TrainerCore, model_config: Qwen3Config, seq: int, steps: int, device: str, name: str
-) -> None:
+def step_report(core: TrainerCore, model_config: Qwen3Config, seq: int, steps: int, device: str, name: str) -> None:
     """Warm-up step, then the median of `steps` timed steps on one packed sequence of `seq` tokens."""
     batch = rl_batch(core, seq, seed=seq)
     rl_tokens = int(batch["loss_mask"].sum())

@@ -755,8 +755,6 @@ class RunConfig(Section):
                 "model.lora trains on one rank or with trainer.parallelism = 'ddp'; "
                 "FSDP2 with adapters is not supported yet"
             )
-        if self.model.lora is not None and self.trainer.diloco.replica_id is not None:
-            raise ValueError("model.lora with DiLoCo islands (trainer.diloco.replica_id) is not supported yet")
         return self
 
     @model_validator(mode="after")

@@ -93,17 +93,20 @@ class RolloutClient:
         reply, _ = self.request(payload)
         return reply.verdicts
 
-    def weights(self, version: int | None = None) -> tuple[int, dict[str, torch.Tensor]]:
+    def weights(self, version: int | None = None, base: bool = False) -> tuple[int, dict[str, torch.Tensor]]:
         """A policy version's weights (default: the newest), fetched in chunks and checked against
-        the version's sha256; a download cut off resumes at the byte it reached."""
-        if version is None:
+        the version's sha256; a download cut off resumes at the byte it reached. `base`: the base
+        model a LoRA run's versions (adapters) apply to, returned as version 0."""
+        if base:
+            version = 0
+        elif version is None:
             version = self.request({"op": "lease", "n": 0})[0].version
             if version < 0:
                 raise IngressError(f"{self.connect} has not published a policy version yet")
         data = bytearray()
         size, digest = None, ""
         while size is None or len(data) < size:
-            reply, chunk = self.request({"op": "weights", "version": version, "offset": len(data)})
+            reply, chunk = self.request({"op": "weights", "version": version, "offset": len(data), "base": base})
             info = reply.chunk
             assert info is not None and chunk is not None
             if size is not None and (info.size, info.sha256) != (size, digest):
@@ -115,7 +118,7 @@ class RolloutClient:
                 )
             data += chunk
         if hashlib.sha256(data).hexdigest() != digest:
-            raise IngressError(f"weights of version {version}: sha256 mismatch after download")
+            raise IngressError(f"weights of {'the base model' if base else f'version {version}'}: sha256 mismatch")
         return version, load_safetensors(bytes(data))
 
     def request(self, payload: dict, timeout_s: float | None = None) -> tuple[Reply, bytes | None]:

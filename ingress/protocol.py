@@ -27,9 +27,13 @@ class SpecRequest(Message):
 
 
 class WeightsRequest(Message):
+    """A chunk of a policy version's file; `base`: of the base model's (LoRA runs: a version's file
+    holds the adapters alone, the base model is fetched once)."""
+
     op: Literal["weights"]
     version: int = Field(ge=0)
     offset: int = Field(0, ge=0)
+    base: bool = False
 
 
 class LeaseRequest(Message):
@@ -85,6 +89,7 @@ class Spec(Message):
     model_files: dict[str, str]  # file name -> base64 content
     max_episode_tokens: int  # an episode's token budget (`rollouts.episodes.EpisodeLimits`)
     max_tool_result_tokens: int  # a tool turn's
+    lora: dict[str, Any] | None = None  # model.lora's settings: versions are adapters on the base model
 
 
 class Lease(Message):

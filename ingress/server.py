@@ -84,6 +84,14 @@ class Published:
     sha256: str
 
 
+def _published(path: Path) -> Published:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(CHUNK_BYTES):
+            digest.update(chunk)
+    return Published(path, path.stat().st_size, digest.hexdigest())
+
+
 @dataclass
 class _Pending:
     """A submit request waiting for its verdicts; replied to once none is missing."""
@@ -114,6 +122,7 @@ class IngressServer:
         self._records: dict[str, LeaseRecord] = {}
         self._by_key: dict[str, LeaseRecord] = {}  # group key -> its open record
         self._published: dict[int, Published] = {}
+        self._base: Published | None = None  # LoRA runs: the base model the versions' adapters apply to
         self._accepted: list[FinishedGroup] = []
         self._verify_queue: queue.Queue[_Pending | None] = queue.Queue()
         self._done: queue.Queue[_Pending] = queue.Queue()
@@ -185,17 +194,18 @@ class IngressServer:
     def publish(self, version: int, path: Path) -> None:
         """Serve policy `version` from `path` (a safetensors file the controller owns); versions no
         open lease may still sample with are dropped, and their files removed."""
-        digest = hashlib.sha256()
-        with path.open("rb") as f:
-            while chunk := f.read(CHUNK_BYTES):
-                digest.update(chunk)
+        published = _published(path)
         with self._lock:
-            self._published[version] = Published(path, path.stat().st_size, digest.hexdigest())
+            self._published[version] = published
             self.version = version
             open_versions = [r.group.min_version for r in self._by_key.values()]
             oldest = min([version, *open_versions])
             for old in [v for v in self._published if v < oldest]:
                 self._published.pop(old).path.unlink(missing_ok=True)
+
+    def publish_base(self, path: Path) -> None:
+        """Serve the base model from `path` (LoRA runs, once: every version's file is adapters)."""
+        self._base = _published(path)
 
     def weights_path(self, version: int) -> Path | None:
         with self._lock:
@@ -233,7 +243,7 @@ class IngressServer:
         if self._auth is not None:
             self._auth.stop()
         self._context.destroy(linger=0)  # any socket left open is closed first: term() would wait on it forever
-        for published in self._published.values():
+        for published in [*self._published.values(), *([self._base] if self._base else [])]:
             published.path.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ admission (the authenticator's thread)
@@ -303,7 +313,10 @@ class IngressServer:
 
     def _weights(self, identity: bytes, request: WeightsRequest) -> None:
         with self._lock:
-            published = self._published.get(request.version)
+            published = self._base if request.base else self._published.get(request.version)
+        if published is None and request.base:
+            self._reply(identity, self._error("this run serves no base model: its versions are whole weights"))
+            return
         if published is None:
             self._reply(
                 identity, self._error(f"policy version {request.version} is not served; newest: {self.version}")

@@ -2,7 +2,9 @@
 
 Needs no Monarch and no shared filesystem: the spec brings the task's import path (the task's
 package must be installed here), the sampling parameters and the model's config and tokenizer;
-weights come over the same connection, version by version. Episodes run on the same
+weights come over the same connection, version by version (in a LoRA run the adapters alone,
+after the base model once: an HF engine holds the adapters itself, vLLM gets them merged here).
+Episodes run on the same
 `EpisodeScheduler` as the mesh's generators. The worker leases a few groups at a time, follows
 new policy versions as the controller announces them, rides out network cuts and controller
 restarts (requests are retried; leases of a restarted controller are void and simply dropped),
@@ -25,7 +27,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoTokenizer
 
-from meshrl.configs.schema import TaskConfig
+from meshrl.configs.schema import LoraConfig, TaskConfig
 from meshrl.inference.backends import EngineLimits, make_engine
 from meshrl.ingress.client import Cancelled, IngressError, Refused, RolloutClient, to_episode
 from meshrl.ingress.protocol import GroupResult, Spec
@@ -33,6 +35,7 @@ from meshrl.rollouts.chat import ChatSettings
 from meshrl.rollouts.episodes import EpisodeFormat, EpisodeLimits
 from meshrl.rollouts.scheduler import EpisodeScheduler, GroupRequest, Sampling
 from meshrl.tasks.base import Prompt, make_task
+from meshrl.trainer.lora import add_lora, merge_adapters
 
 
 @dataclass
@@ -76,12 +79,16 @@ class RolloutWorker:
         self.held: dict[str, float] = {}  # lease id -> its expiry (time.monotonic())
         self.scheduler: EpisodeScheduler | None = None
         self.loaded: tuple[str | None, int] = (None, -1)  # (controller epoch, policy version) running
+        self.lora: LoraConfig | None = None  # the run's adapters' settings (a LoRA run)
+        self.base: dict[str, torch.Tensor] = {}  # LoRA on vLLM: the base weights the adapters merge into
 
     def start(self) -> None:
         """Fetch the spec and the newest weights and start the engine."""
         spec = self.client.spec()
         version, weights = self.client.weights()
-        path = write_model_dir(spec, weights, self.model_dir)
+        self.lora = LoraConfig(**spec.lora) if spec.lora is not None else None
+        base = self.client.weights(base=True)[1] if self.lora is not None else weights
+        path = write_model_dir(spec, base, self.model_dir)
         if self.max_tokens < spec.max_episode_tokens:
             raise ValueError(
                 f"--max-tokens {self.max_tokens} cannot hold one episode of this run ({spec.max_episode_tokens} tokens)"
@@ -90,7 +97,11 @@ class RolloutWorker:
         backend = self.backend if self.backend != "auto" else "vllm" if gpus and _has_vllm() else "hf"
         sizes = EngineLimits(spec.max_episode_tokens, self.max_tokens, self.max_episodes)
         engine = make_engine(backend, str(path), spec.dtype, gpus, sizes)
-        engine.load_weights(weights, version)
+        if self.lora is not None and backend == "hf":
+            add_lora(engine.model, self.lora).eval()  # the trainer's adapters, under the same names
+        elif self.lora is not None:
+            self.base = base
+        engine.load_weights(self._policy(weights), version)
         task = make_task(TaskConfig(import_path=spec.task_import_path, kwargs=spec.task_kwargs))
         chat = ChatSettings(spec.renderer, spec.tool_parser, spec.chat_template_kwargs)
         limits = EpisodeLimits(spec.max_episode_tokens, spec.max_new_tokens, spec.max_tool_result_tokens)
@@ -171,12 +182,19 @@ class RolloutWorker:
         if restarted:
             self.held.clear()
         version, weights = self.client.weights()
-        landed = self.scheduler.load_weights(weights, version)
+        landed = self.scheduler.load_weights(self._policy(weights), version)
         self.loaded = (self.client.epoch, version)
         self.stats.weight_versions += 1
         if restarted:
             landed.wait(timeout=60)  # between decode steps: old versions may be numbered as high as the new
             self.log(f"worker: following the restarted controller, policy version {version}")
+
+    def _policy(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What the engine loads for a version: its weights, its adapters (an HF engine holding
+        them), or the adapted layers merged with the base (vLLM)."""
+        if self.lora is None or not self.base:
+            return weights
+        return {**self.base, **merge_adapters(self.base, weights, self.lora)}  # vLLM takes whole updates
 
     def close(self) -> None:
         if self.scheduler is not None:

@@ -94,7 +94,7 @@ class Controller:
         cfg = self.config
         self.meshes = meshes = Meshes(cfg, self.model_path, self.run)
         if cfg.ingress.bind is not None:
-            self.ingress = start_ingress(cfg, self.model_path, self.tokenizer, self.chat)
+            self.ingress = start_ingress(cfg, self.model_path, self.tokenizer, self.chat, self.run.root / "ingress")
         self.weights = WeightPublisher(cfg, self.run, meshes, self.ingress)
         self.generators = GeneratorLane(meshes.generators, meshes.generator_alive, self.weights)
         self.weights.on_dead = self.generators.died  # a generator found dead while its load settles

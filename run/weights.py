@@ -55,7 +55,7 @@ class WeightPublisher:
         if self.ingress is None or version == self.ingress_version:
             return
         path = self.run.root / "ingress" / f"step_{version}.safetensors"
-        self.meshes.trainer_value("policy_weights_file", str(path))
+        self.meshes.trainer_value("policy_weights_file", str(path), self.config.model.lora is not None)
         self.ingress.publish(version, path)
         self.ingress_version = version
 

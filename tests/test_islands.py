@@ -124,6 +124,34 @@ def test_two_islands_sync_survive_a_death_and_heal_on_resume(tmp_path):
     assert_loss_swap(b_out, "mis")
 
 
+@pytest.mark.mesh
+@pytest.mark.network
+def test_lora_islands_sync_their_adapters_alone_through_the_meshes(tmp_path):
+    """Two LoRA islands, every outer step with both: the same global adapters after each, and
+    each outer step's payload is the adapters' bytes (the base model never travels)."""
+    from safetensors.torch import load_file
+
+    lighthouse = serve_lighthouse("[::]:0", min_islands=2, join_timeout_ms=10_000, heartbeat_timeout_ms=2_000)
+    lora = ["--model.lora", '{"r": 4, "lora_alpha": 8}', "--max-steps", "6", "--trainer.diloco.min_islands", "2"]
+    procs = {name: island(tmp_path / name, name, lighthouse.address(), *lora) for name in "ab"}
+    try:
+        for name, proc in procs.items():
+            assert proc.wait(timeout=600) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        lighthouse.shutdown()
+    ra, rb = records(tmp_path / "a"), records(tmp_path / "b")
+    assert [r["step"] for r in ra] == list(range(6)) == [r["step"] for r in rb]
+    assert [r["diloco/outer_steps"] for r in ra][-1] == 6 // H
+    crc = lambda rs: {r["diloco/outer_steps"]: r["diloco/global_crc"] for r in rs}  # noqa: E731
+    assert crc(ra) == crc(rb)
+    adapters = load_file(tmp_path / "a" / "checkpoints" / "step_6" / "adapter" / "adapter_model.safetensors")
+    adapter_bytes = sum(t.numel() * 4 for t in adapters.values())  # float32 master weights
+    assert ra[-1]["diloco/payload_bytes"] == (6 // H) * adapter_bytes
+
+
 @pytest.mark.network  # a lighthouse and torchft's stores on loopback
 def test_outer_state_round_trips_through_a_checkpoint(tiny_lm):
     """Streaming DiLoCo (2 fragments) on one island: the outer state a checkpoint holds — global
@@ -166,42 +194,55 @@ def test_outer_state_round_trips_through_a_checkpoint(tiny_lm):
         lighthouse.shutdown()
 
 
-@pytest.mark.network  # a lighthouse and torchft's stores on loopback
-def test_outer_lr_1_without_momentum_averages_the_islands(tiny_lm):
-    """The default outer step (lr 1, momentum 0) is parameter averaging: two islands (threads of
-    this process) move their local models to two known points in H inner steps; after the outer
-    step both hold the mean of those points. Nesterov at lr 0.7, momentum 0.9 does not."""
-    import copy
+def _outer_step(config, models: list, targets: list) -> None:
+    """Two islands (threads of this process) move their models' trained parameters to two known
+    points in H = 2 inner steps of SGD at lr 1; the H-th inner step runs the outer step."""
     import threading
 
     import torch
 
-    from meshrl.configs.schema import DilocoConfig
     from meshrl.trainer.islands import Islands
 
-    def outer_step(config: DilocoConfig, models: list, targets: list) -> None:
-        errors: list[BaseException] = []
+    errors: list[BaseException] = []
 
-        def island(name: str, model, target) -> None:
-            try:
-                inner = torch.optim.SGD(model.parameters(), lr=1.0)
-                islands = Islands(config.model_copy(update={"replica_id": name}), model, inner, rank=0, world=1)
-                for p in model.parameters():  # inner step 1: no move
-                    p.grad = torch.zeros_like(p)
-                inner.step()
-                for p, t in zip(model.parameters(), target, strict=True):  # step 2 lands on the target
-                    p.grad = p.detach() - t
-                inner.step()  # the H-th inner step: the outer step runs in its hook
-                islands.close()
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
-                errors.append(exc)
+    def island(name: str, model, target) -> None:
+        try:
+            trained = [p for p in model.parameters() if p.requires_grad]
+            inner = torch.optim.SGD(trained, lr=1.0)
+            islands = Islands(config.model_copy(update={"replica_id": name}), model, inner, rank=0, world=1)
+            for p in trained:  # inner step 1: no move
+                p.grad = torch.zeros_like(p)
+            inner.step()
+            for p, t in zip(trained, target, strict=True):  # step 2 lands on the target
+                p.grad = p.detach() - t
+            inner.step()  # the H-th inner step: the outer step runs in its hook
+            model.payload_bytes = islands.stats.payload_bytes
+            islands.close()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(exc)
 
-        threads = [threading.Thread(target=island, args=(n, m, t)) for n, m, t in zip("ab", models, targets)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=120)
-        assert not errors, errors
+    threads = [threading.Thread(target=island, args=(n, m, t)) for n, m, t in zip("ab", models, targets)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors, errors
+
+
+def _diloco(lighthouse, **overrides):
+    from meshrl.configs.schema import DilocoConfig
+
+    return DilocoConfig(lighthouse=lighthouse.address(), host="localhost", sync_every=2, min_islands=2, timeout_s=20,
+                        quorum_timeout_s=60, **overrides)  # fmt: skip
+
+
+@pytest.mark.network  # a lighthouse and torchft's stores on loopback
+def test_outer_lr_1_without_momentum_averages_the_islands(tiny_lm):
+    """The default outer step (lr 1, momentum 0) is parameter averaging: after it both islands hold
+    the mean of the points their local models reached. Nesterov at lr 0.7, momentum 0.9 does not."""
+    import copy
+
+    import torch
 
     torch.manual_seed(0)
     start = [p.detach().clone() for p in tiny_lm.parameters()]
@@ -209,20 +250,54 @@ def test_outer_lr_1_without_momentum_averages_the_islands(tiny_lm):
     mean = [(a + b) / 2 for a, b in zip(*targets, strict=True)]
     lighthouse = serve_lighthouse("[::]:0", min_islands=2, join_timeout_ms=5_000, heartbeat_timeout_ms=2_000)
     try:
-        base = dict(lighthouse=lighthouse.address(), host="localhost", sync_every=2, min_islands=2, timeout_s=20,
-                    quorum_timeout_s=60)  # fmt: skip
         averaging = [copy.deepcopy(tiny_lm) for _ in "ab"]
-        outer_step(DilocoConfig(**base), averaging, targets)
+        _outer_step(_diloco(lighthouse), averaging, targets)
         for model in averaging:
             for p, m in zip(model.parameters(), mean, strict=True):
                 torch.testing.assert_close(p.detach(), m, rtol=0, atol=1e-6)
         nesterov = [copy.deepcopy(tiny_lm) for _ in "ab"]
-        outer_step(DilocoConfig(**base, outer_lr=0.7, outer_momentum=0.9, outer_nesterov=True), nesterov, targets)
+        _outer_step(_diloco(lighthouse, outer_lr=0.7, outer_momentum=0.9, outer_nesterov=True), nesterov, targets)
         # Nesterov's first step: global - lr * (1 + momentum) * mean pseudo-gradient
         p, s, m = next(nesterov[0].parameters()).detach(), start[0], mean[0]
         torch.testing.assert_close(p, s - 0.7 * 1.9 * (s - m), rtol=0, atol=1e-6)
     finally:
         lighthouse.shutdown()
+
+
+@pytest.mark.network
+def test_lora_islands_average_the_adapters_alone(tiny_lm):
+    """With LoRA the islands average the adapters and send nothing else: the frozen base weights
+    stay bit for bit, and the outer step's payload is the adapters' bytes."""
+    import copy
+
+    import torch
+
+    from meshrl.configs.schema import LoraConfig
+    from meshrl.trainer.lora import add_lora
+
+    torch.manual_seed(0)
+    models = [copy.deepcopy(tiny_lm) for _ in "ab"]
+    for model in models:
+        add_lora(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    frozen = {k: v.clone() for k, v in models[0].state_dict().items() if ".lora_" not in k}
+    start = [p.detach().clone() for p in models[0].parameters() if p.requires_grad]
+    targets = [[p + torch.randn_like(p) * 0.1 for p in start] for _ in "ab"]
+    mean = [(a + b) / 2 for a, b in zip(*targets, strict=True)]
+    lighthouse = serve_lighthouse("[::]:0", min_islands=2, join_timeout_ms=5_000, heartbeat_timeout_ms=2_000)
+    try:
+        _outer_step(_diloco(lighthouse), models, targets)
+    finally:
+        lighthouse.shutdown()
+    adapter_bytes = sum(p.numel() * p.element_size() for p in start)
+    for model in models:
+        trained = [p.detach() for p in model.parameters() if p.requires_grad]
+        for p, m in zip(trained, mean, strict=True):
+            torch.testing.assert_close(p, m, rtol=0, atol=1e-6)
+        for key, value in model.state_dict().items():
+            if key in frozen:
+                assert torch.equal(value, frozen[key]), key
+        assert model.payload_bytes == adapter_bytes
+        assert adapter_bytes < 0.1 * sum(v.numel() * v.element_size() for v in frozen.values())
 
 
 def test_islands_draw_their_own_prompts_from_one_seed():

@@ -105,11 +105,32 @@ def test_an_hf_engine_with_the_adapters_injected_takes_them_alone_and_samples_th
     assert sum(v.numel() for v in sent.values()) < 0.2 * sum(v.numel() for v in full.values())
 
 
-def test_adapters_with_fsdp2_or_islands_are_refused_by_name():
+def test_adapters_merged_on_the_receiving_side_match_peft(model_path):
+    """`merge_adapters` (a vLLM generator or worker that gets the adapters alone) gives peft's own
+    merge of every adapted layer, and leaves the rest to the base it already holds."""
+    from meshrl.configs.schema import LoraConfig
+    from meshrl.trainer.lora import engine_adapter_weights, merge_adapters, merged_weights
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    lora = LoraConfig(r=4, lora_alpha=12)
+    add_lora(model, lora)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.normal_()
+    merged = merge_adapters(base, engine_adapter_weights(model), lora)
+    expected = merged_weights(model)
+    assert merged and all(expected[k].shape == v.shape for k, v in merged.items())
+    for key, value in merged.items():
+        torch.testing.assert_close(value, expected[key], rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(value, base[key], atol=1e-3)
+    assert all(torch.equal(expected[k], base[k]) for k in expected.keys() - merged.keys())
+
+
+def test_adapters_with_fsdp2_are_refused_by_name():
     with pytest.raises(ConfigError, match="model.lora.*FSDP2"):
         load_config([*LORA, "--trainer.parallelism", "fsdp2"])
-    with pytest.raises(ConfigError, match="model.lora with DiLoCo islands"):
-        load_config([*LORA, "--trainer.diloco.replica_id", "0"])
 
 
 @pytest.mark.mesh

@@ -10,7 +10,9 @@ back from `--resume` behind the others receives the current global weights and o
 state from a live island over HTTP. An island that dies drops out of the next quorum.
 
 Within an island, rank r of every island syncs with rank r of the others; DDP ranks hold the
-same parameters, so each sends the whole model (FSDP2 shards are refused by the config).
+same parameters, so each sends the whole model (FSDP2 shards are refused by the config). Only
+trained parameters are synced: with LoRA (`model.lora`) the adapters alone, as the frozen base
+weights never move and their pseudo-gradients would be zeros.
 """
 
 from __future__ import annotations
@@ -51,6 +53,14 @@ def model_fragments(model: nn.Module, n: int) -> list[nn.Module]:
         m for m in model.modules() if m is not model and any(id(p) not in layered for p in m.parameters(recurse=False))
     ]
     return [nn.ModuleList([*layers[bounds[i] : bounds[i + 1]], *(outside if i == 0 else [])]) for i in range(n)]
+
+
+def trained_only(fragment: nn.Module) -> nn.Module:
+    """The fragment itself when all its parameters train, else a list of the ones that do (the
+    same Parameter objects): torchft syncs every parameter a fragment holds."""
+    params = list(fragment.parameters())
+    trained = [p for p in params if p.requires_grad]
+    return fragment if len(trained) == len(params) else nn.ParameterList(trained)
 
 
 @dataclass
@@ -96,7 +106,7 @@ class Islands:
             connect_timeout=timeout,
             checkpoint_transport=HTTPTransport(timeout=timeout, num_chunks=0),
         )
-        self.fragments = model_fragments(model, config.fragments)
+        self.fragments = [trained_only(f) for f in model_fragments(model, config.fragments)]
         self.outer = [
             torch.optim.SGD(
                 f.parameters(), lr=config.outer_lr, momentum=config.outer_momentum, nesterov=config.outer_nesterov

@@ -65,6 +65,25 @@ def engine_adapter_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return {key: value.detach() for key, value in model.state_dict().items() if ".lora_" in key}
 
 
+def merge_adapters(
+    base: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], config: LoraConfig
+) -> dict[str, torch.Tensor]:
+    """The adapted layers' weights merged on the receiving side: each base weight plus
+    lora_alpha / r × B A from engine-named adapters (`engine_adapter_weights`). For an engine
+    that cannot hold adapters itself (vLLM): the adapters travel, the base stays where it is."""
+    suffix = f".lora_A.{ADAPTER}.weight"
+    merged = {}
+    for key, a in adapters.items():
+        if not key.endswith(suffix):
+            continue
+        prefix = key[: -len(suffix)]
+        b = adapters[f"{prefix}.lora_B.{ADAPTER}.weight"]
+        weight = base[f"{prefix}.weight"]
+        delta = (config.lora_alpha / config.r) * (b.float() @ a.float())
+        merged[f"{prefix}.weight"] = (weight.float() + delta).to(weight.dtype)
+    return merged
+
+
 def adapter_weights(adapters: PeftModel) -> dict[str, torch.Tensor]:
     """The adapters' tensors, as peft saves them."""
     from peft import get_peft_model_state_dict
