@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib.metadata
 import os
 import signal
@@ -237,6 +238,7 @@ def _cmd_rollout_worker(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: every thread's stack to the log
     try:
         client = RolloutClient(args.connect, args.server_key, args.key, timeout_s=args.timeout_s, stop=stop)
         worker = RolloutWorker(

@@ -26,14 +26,26 @@ def _worker(address: str, keys: Path, name: str, log: Path, score_delay_s: float
 
 
 def _wait_for(
-    log: Path, text: str, timeout: float = 300, after: str | None = None, context: Path | None = None
+    log: Path,
+    text: str,
+    timeout: float = 300,
+    after: str | None = None,
+    context: Path | None = None,
+    proc: subprocess.Popen | None = None,
 ) -> None:
-    """Until `text` is in the log (after the first `after`, when given); a failure shows `context`'s tail too."""
+    """Until `text` is in the log (after the first `after`, when given); a failure shows `context`'s
+    tail too. `proc`, the process writing the log: its exit fails the wait at once, and at the
+    timeout it is asked for every thread's stack (SIGUSR1), which the log then shows."""
     deadline = time.time() + timeout
     while text not in (log.read_text().partition(after)[2] if after else log.read_text()):
-        if time.time() > deadline:
+        ended = proc is not None and proc.poll() is not None
+        if time.time() > deadline or ended:
+            if proc is not None and not ended:
+                proc.send_signal(signal.SIGUSR1)
+                time.sleep(2)
+            why = f"it ended with rc {proc.returncode}" if ended else f"not within {timeout} s"
             shown = f"\n--- {context}:\n{context.read_text()[-3000:]}" if context else ""
-            raise AssertionError(f"no {text!r} in {log} within {timeout} s:\n{log.read_text()[-2000:]}{shown}")
+            raise AssertionError(f"no {text!r} in {log}: {why}:\n{log.read_text()[-6000:]}{shown}")
         time.sleep(0.2)
 
 
@@ -70,10 +82,12 @@ def test_run_with_outside_workers_a_killed_one_and_a_resume(tmp_path):
                                   json.dumps({"hold_file": str(hold)})], cwd=REPO, env=ENV,
                                  stdout=train_log.open("w"), stderr=subprocess.STDOUT)  # fmt: skip
         for name in ("a", "b"):
-            _wait_for(logs[name], "policy version 0", context=train_log)
+            _wait_for(logs[name], "policy version 0", context=train_log, proc=workers[name])
         hold.unlink()
-        _wait_for(logs["b"], "'accepted'", context=train_log)
-        _wait_for(logs["b"], "leased", after="'accepted'", context=train_log)  # it leases again after it submits
+        _wait_for(logs["b"], "'accepted'", context=train_log, proc=workers["b"])
+        _wait_for(
+            logs["b"], "leased", after="'accepted'", context=train_log, proc=workers["b"]
+        )  # it leases again after it submits
         workers["b"].send_signal(signal.SIGKILL)  # killed holding leases
         assert workers["stranger"].wait(timeout=120) == 1
         assert "refused this worker's key" in logs["stranger"].read_text()
@@ -93,7 +107,9 @@ def test_run_with_outside_workers_a_killed_one_and_a_resume(tmp_path):
         resumed = subprocess.Popen([*MESHRL, "train", *SMALL, *ingress, "--max-steps", "15", "--resume",
                                     "--task.kwargs", task], cwd=REPO, env=ENV, stdout=resume_log.open("w"),
                                    stderr=subprocess.STDOUT)  # fmt: skip
-        _wait_for(logs["a"], "leased", after="following the restarted controller", context=resume_log)
+        _wait_for(
+            logs["a"], "leased", after="following the restarted controller", context=resume_log, proc=workers["a"]
+        )
         hold.unlink()
         assert resumed.wait(timeout=300) == 0, resume_log.read_text()[-3000:]
         metrics = records(out)
