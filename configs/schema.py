@@ -749,15 +749,6 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _lora_ranks(self) -> RunConfig:
-        if self.model.lora is not None and self.trainer.parallelism == "fsdp2":
-            raise ValueError(
-                "model.lora trains on one rank or with trainer.parallelism = 'ddp'; "
-                "FSDP2 with adapters is not supported yet"
-            )
-        return self
-
-    @model_validator(mode="after")
     def _ingress_share(self) -> RunConfig:
         if self.ingress.bind is not None and self.ingress.groups_per_step > self.task.prompts_per_step:
             raise ValueError(

@@ -35,7 +35,7 @@ from meshrl.tasks.base import Prompt, make_task
 from meshrl.tasks.humaneval import HumanEvalTask
 from meshrl.tasks.repo.demos import solution_steps
 from meshrl.tasks.repo.task import RepoFixTask
-from meshrl.trainer.lora import add_lora, engine_adapter_weights
+from meshrl.trainer.lora import adapter_tensors, add_lora
 
 pytestmark = pytest.mark.network  # CURVE ZMQ over loopback
 
@@ -124,7 +124,7 @@ def make_harness(
         serve_adapters(holder[0], lora, root / "ingress")
         add_lora(engine.model, lora).eval()
         engine.load_weights(random_adapters(engine.model, 0), 0)
-        save_weights_file(engine_adapter_weights(engine.model), weights)
+        save_weights_file(adapter_tensors(engine.model.state_dict()), weights)
     else:
         save_weights_file(engine.model.state_dict(), weights)
     holder[0].publish(0, weights)
@@ -135,7 +135,7 @@ def random_adapters(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor
     """Adapters far from the identity (B != 0) under `model`'s names: a worker that ignored them
     would sample the base model, which the verifier tells apart."""
     g = torch.Generator().manual_seed(seed)
-    return {k: torch.randn(v.shape, generator=g) for k, v in engine_adapter_weights(model).items()}
+    return {k: torch.randn(v.shape, generator=g) for k, v in adapter_tensors(model.state_dict()).items()}
 
 
 @pytest.fixture(scope="module")
@@ -473,7 +473,7 @@ def test_a_lora_runs_workers_fetch_the_base_once_then_adapters_alone(tmp_path, b
         for version in (0, 1):
             if version == 1:
                 h.engine.load_weights(random_adapters(h.engine.model, 1), 1)
-                save_weights_file(engine_adapter_weights(h.engine.model), files[2])
+                save_weights_file(adapter_tensors(h.engine.model.state_dict()), files[2])
                 h.server.publish(1, files[2])
             prompts = make_task(TASK).sample_prompts(random.Random(version), 6)
             h.server.offer(version, [GroupRequest(f"{version}/{i}", p, 4, i, version) for i, p in enumerate(prompts)])

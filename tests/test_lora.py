@@ -11,7 +11,6 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from meshrl.configs import load_config
-from meshrl.configs.loader import ConfigError
 from meshrl.inference.hf_engine import HFEngine
 from meshrl.loss_adapters.compose import reference_sums
 from meshrl.models.gguf import ensure_gguf
@@ -114,31 +113,92 @@ def test_an_hf_engine_with_the_adapters_injected_takes_them_alone_and_samples_th
 
 
 def test_adapters_merged_on_the_receiving_side_match_peft(model_path):
-    """`merge_adapters` (a vLLM generator or worker that gets the adapters alone) gives peft's own
-    merge of every adapted layer, and leaves the rest to the base it already holds."""
+    """`merge_adapters` (a vLLM generator or worker that gets the adapters alone) and `merged_state`
+    (the trainer's merged weights) give peft's own merge (`merge_and_unload`) of every adapted layer,
+    and leave the rest as the base is."""
     from meshrl.configs.schema import LoraConfig
-    from meshrl.trainer.lora import engine_adapter_weights, merge_adapters, merged_weights
+    from meshrl.trainer.lora import adapter_tensors, merge_adapters, merged_state
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     base = {k: v.clone() for k, v in model.state_dict().items()}
     lora = LoraConfig(r=4, lora_alpha=12)
-    add_lora(model, lora)
+    peft_model = add_lora(model, lora)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if ".lora_" in name:
                 p.normal_()
-    merged = merge_adapters(base, engine_adapter_weights(model), lora)
-    expected = merged_weights(model)
-    assert merged and all(expected[k].shape == v.shape for k, v in merged.items())
-    for key, value in merged.items():
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    merged = merge_adapters(base, adapter_tensors(state), lora)
+    whole = merged_state(state, lora)
+    expected = peft_model.merge_and_unload().state_dict()
+    assert merged and whole.keys() == expected.keys()
+    for key, value in whole.items():
         torch.testing.assert_close(value, expected[key], rtol=1e-5, atol=1e-5)
-        assert not torch.allclose(value, base[key], atol=1e-3)
-    assert all(torch.equal(expected[k], base[k]) for k in expected.keys() - merged.keys())
+        if key in merged:
+            assert torch.equal(merged[key], value) and not torch.allclose(value, base[key], atol=1e-3)
+        else:
+            assert torch.equal(value, base[key])
 
 
-def test_adapters_with_fsdp2_are_refused_by_name():
-    with pytest.raises(ConfigError, match="model.lora.*FSDP2"):
-        load_config([*LORA, "--trainer.parallelism", "fsdp2"])
+@pytest.mark.mesh  # a two-proc Monarch mesh
+def test_adapters_on_two_fsdp2_ranks_match_one_rank_and_their_checkpoint_resumes(tmp_path):
+    """FSDP2 shards the adapted model: two steps on two ranks (DPO replay on, so the reference with
+    the adapters off runs sharded) match one rank holding every batch; the adapters alone and the
+    merged weights are gathered whole; the sharded checkpoint resumes on one rank with the same
+    adapters and a reference that is still the base model exactly."""
+    from monarch.actor import this_host
+    from monarch.spmd import setup_torch_elastic_env
+
+    from meshrl.actors.trainer import TrainerActor
+    from tests.test_trainer import _cat
+
+    args = [*LORA, "--trainer.parallelism", "fsdp2", "--topology.trainer.procs", "2", "--trainer.lr", "1e-3",
+            "--loss.replay.weight", "0.5", "--loss.replay.variant", "dpo"]  # fmt: skip
+    model_path = str(ensure_tiny(tmp_path / "tiny", load_config(args).model.tiny))
+    config = load_config([*args, "--model.path", model_path])
+    single = TrainerCore(config, model_path)
+    vocab = single.model.config.vocab_size
+    shards = [[rl_batch(single.model, 1), rl_batch(single.model, 2)], [rl_batch(single.model, 3)]]
+    aux = [dpo_batch(4, vocab), dpo_batch(8, vocab, pairs=1)]
+    rl_tokens = sum(int(b["loss_mask"].sum()) for shard in shards for b in shard)
+    expected = [single.train_step([shards[0] + shards[1]], [_cat(aux)], rl_tokens) for _ in range(2)]
+
+    procs = this_host().spawn_procs(per_host={"procs": 2})
+    try:
+        setup_torch_elastic_env(procs)
+        trainers = procs.spawn("trainer", TrainerActor, config, model_path)
+        trainers.setup.call().get()
+        got = [list(trainers.train_step.call(shards, aux, rl_tokens).get().values()) for _ in range(2)]
+        adapters = list(trainers.policy_weights.call(True).get().values())
+        merged = list(trainers.policy_weights.call().get().values())
+        trainers.save_checkpoint.call(str(tmp_path / "ckpt")).get()
+    finally:
+        procs.stop().get()
+
+    for step, want in zip(got, expected, strict=True):
+        for name in ("grad_norm", "replay/margin", "loss/rl"):
+            assert step[0][name] == step[1][name] == pytest.approx(want[name], rel=1e-4, abs=1e-7), name
+    assert adapters[1] is None and merged[1] is None  # only rank 0 ships them
+    own = single.weights(torch.float32, adapters_only=True)
+    assert adapters[0].keys() == own.keys() and all(".lora_" in name for name in own)
+    for name, value in own.items():
+        torch.testing.assert_close(adapters[0][name], value, rtol=1e-4, atol=1e-6)
+    whole = single.weights(torch.float32)
+    assert merged[0].keys() == whole.keys()
+    for name, value in whole.items():
+        torch.testing.assert_close(merged[0][name], value, rtol=1e-4, atol=1e-6)
+
+    resumed = TrainerCore(load_config([*LORA, "--model.path", model_path, "--loss.replay.weight", "0.5",
+                                       "--loss.replay.variant", "dpo"]), model_path)  # fmt: skip
+    resumed.load(tmp_path / "ckpt")
+    for name, value in resumed.weights(torch.float32, adapters_only=True).items():
+        assert torch.equal(value, adapters[0][name]), name
+    batch = dpo_batch(7, vocab)
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    explicit = reference_sums(base, batch, config.model.logprob_chunk_size)
+    for key, value in resumed._with_reference(batch).items():
+        if key in explicit:
+            assert torch.equal(value, explicit[key]), key
 
 
 @pytest.mark.mesh

@@ -24,6 +24,7 @@ import math
 import random
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -82,7 +83,7 @@ def _to(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
 
 
 class ModelCall(nn.Module):
-    """Runs `fn(model, *args)` as its forward (inside `context()`: the LoRA reference's adapters off).
+    """Runs `fn(model, *args)` as its forward.
 
     The loss functions read the trunk and the LM head weight directly rather than calling
     the model. Under FSDP2 this module is the root unit: its forward hooks gather the
@@ -91,13 +92,25 @@ class ModelCall(nn.Module):
     find the output tensors.
     """
 
-    def __init__(self, model: nn.Module, context: Callable[[], AbstractContextManager] = nullcontext) -> None:
+    def __init__(self, model: nn.Module) -> None:
         super().__init__()
-        self.model, self.context = model, context
+        self.model = model
 
     def forward(self, fn: Any, *args: Any) -> Any:
+        return fn(self.model, *args)
+
+
+@dataclass
+class AdaptersOff:
+    """The LoRA reference: the policy's own call with its adapters off (peft's `disable_adapter`),
+    so it shares the model and, under FSDP2, the root unit that gathers its parameters."""
+
+    call: ModelCall
+    context: Callable[[], AbstractContextManager]
+
+    def __call__(self, fn: Any, *args: Any) -> Any:
         with self.context():
-            return fn(self.model, *args)
+            return self.call(fn, *args)
 
 
 def shard_fsdp2(call: ModelCall, compute_dtype: torch.dtype) -> None:
@@ -209,12 +222,14 @@ class TrainerCore:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.fsdp = config.trainer.parallelism == "fsdp2" and self.world > 1
         self.call = ModelCall(self.model)
-        self.ref_call = ModelCall(self.ref_model) if self.ref_model is not None else None
+        self.ref_call: ModelCall | AdaptersOff | None = (
+            ModelCall(self.ref_model) if self.ref_model is not None else None
+        )
         if needs_ref and not self.fixed_ref and self.adapters is not None:
-            self.ref_call = ModelCall(self.model, self.adapters.disable_adapter)
+            self.ref_call = AdaptersOff(self.call, self.adapters.disable_adapter)
         if self.fsdp:
             shard_fsdp2(self.call, self.compute_dtype)
-            if self.ref_call is not None:
+            if isinstance(self.ref_call, ModelCall):
                 shard_fsdp2(self.ref_call, self.compute_dtype)
         # After sharding: FSDP2 replaces the parameters with sharded ones, which the optimizer must hold.
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
@@ -442,16 +457,23 @@ class TrainerCore:
         must call: under FSDP2 it is an all-gather. `adapters_only` (LoRA): the adapters' tensors
         alone, under the names an engine with the same adapters injected has (`lora_generators`)."""
         if adapters_only:
-            from meshrl.trainer.lora import engine_adapter_weights
-
-            full = {name: value.cpu() for name, value in engine_adapter_weights(self.model).items()}
-        elif self.adapters is not None:  # LoRA: each adapted weight merged with its adapter, under the base names
-            from meshrl.trainer.lora import merged_weights
-
-            full = {name: value.cpu() for name, value in merged_weights(self.model).items()}
+            full = self._adapters_state()
         else:
             full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            if self.adapters is not None:  # LoRA: each adapted weight merged with its adapter, under the base names
+                from meshrl.trainer.lora import merged_state
+
+                full = merged_state(full, self.config.model.lora)
         return full if dtype is None else {name: value.to(dtype) for name, value in full.items()}
+
+    def _adapters_state(self) -> dict[str, torch.Tensor]:
+        """The adapters' tensors, whole and on CPU (every rank calls: under FSDP2 each is gathered)."""
+        from meshrl.trainer.lora import adapter_tensors
+
+        return {
+            name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu()
+            for name, value in adapter_tensors(self.model.state_dict()).items()
+        }
 
     def save(self, directory: str | Path, wait: bool = True) -> None:
         """Model (safetensors), optimizer, scheduler and RNG state into `directory`.
@@ -466,9 +488,9 @@ class TrainerCore:
         reference = get_model_state_dict(self.ref_model, options=options) if self.ref_model is not None else None
         adapters = None
         if self.adapters is not None:
-            from meshrl.trainer.lora import adapter_weights
+            from meshrl.trainer.lora import peft_names
 
-            adapters = {name: value.cpu() for name, value in adapter_weights(self.adapters).items()}
+            adapters = peft_names(self.adapters, self._adapters_state())
         if self.rank != 0:
             return
         weights, optimizer, reference, scheduler, adapters = own_copy(
@@ -503,9 +525,10 @@ class TrainerCore:
         directory = Path(directory)
         options = StateDictOptions(full_state_dict=True)
         if self.adapters is not None:  # the base is the run's model; the adapters are what trained
-            from meshrl.trainer.lora import load_adapters
+            from meshrl.trainer.lora import saved_adapters
 
-            load_adapters(self.adapters, directory / "adapter")
+            adapters = saved_adapters(self.model, directory / "adapter")
+            set_model_state_dict(self.model, adapters, options=StateDictOptions(full_state_dict=True, strict=False))
         else:
             saved = AutoModelForCausalLM.from_pretrained(directory / "model", dtype=torch.float32)
             set_model_state_dict(self.model, saved.state_dict(), options=options)

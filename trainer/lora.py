@@ -3,7 +3,8 @@ their names), so the loss functions read the trunk and the head as they do witho
 
 The policy's weights as generators and checkpoints' `model/` need them are the merged ones (each
 adapted layer's base weight plus its adapter's delta, under the model's own names); the adapters
-alone are what trains and what a checkpoint resumes from (`adapter/`, peft's format).
+alone are what trains and what a checkpoint resumes from (`adapter/`, peft's format). Everything
+here reads full state dicts, so it serves a sharded model (FSDP2, gathered) as a whole one.
 """
 
 from __future__ import annotations
@@ -44,32 +45,24 @@ def add_lora(model: nn.Module, config: LoraConfig) -> PeftModel:
     return get_peft_model(model, settings)
 
 
-def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapted model's weights under the base model's names, each adapted layer's weight
-    merged with its adapter's delta (the model is left as it is)."""
-    weights = {key.replace(".base_layer.", "."): value.detach() for key, value in model.state_dict().items()
-               if ".lora_" not in key}  # fmt: skip
-    from peft.tuners.lora import LoraLayer
-
-    with torch.no_grad():
-        for name, module in model.named_modules():
-            if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
-                key = f"{name}.weight"
-                weights[key] = weights[key] + module.get_delta_weight(ADAPTER).to(weights[key].dtype)
-    return weights
+def adapter_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapters' tensors of an adapted model's state dict, under its own names: what an engine
+    with the same adapters injected (`add_lora`) loads."""
+    return {key: value for key, value in state.items() if ".lora_" in key}
 
 
-def engine_adapter_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapters' tensors under the names `model` holds them by: what an engine with the same
-    adapters injected (`add_lora`) loads, where peft's saved names (`adapter_weights`) differ."""
-    return {key: value.detach() for key, value in model.state_dict().items() if ".lora_" in key}
+def merged_state(state: dict[str, torch.Tensor], config: LoraConfig) -> dict[str, torch.Tensor]:
+    """An adapted model's state dict as the plain model's: the base model's names, each adapted
+    layer's weight merged with its adapter's delta (`merge_adapters`)."""
+    base = {key.replace(".base_layer.", "."): value for key, value in state.items() if ".lora_" not in key}
+    return {**base, **merge_adapters(base, adapter_tensors(state), config)}
 
 
 def merge_adapters(
     base: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], config: LoraConfig
 ) -> dict[str, torch.Tensor]:
     """The adapted layers' weights merged on the receiving side: each base weight plus
-    lora_alpha / r × B A from engine-named adapters (`engine_adapter_weights`). For an engine
+    lora_alpha / r × B A from adapters under the adapted model's names (`adapter_tensors`). For an engine
     that cannot hold adapters itself (vLLM): the adapters travel, the base stays where it is."""
     suffix = f".lora_A.{ADAPTER}.weight"
     merged = {}
@@ -84,19 +77,23 @@ def merge_adapters(
     return merged
 
 
-def adapter_weights(adapters: PeftModel) -> dict[str, torch.Tensor]:
-    """The adapters' tensors, as peft saves them."""
+def peft_names(adapters: PeftModel, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapters' tensors of the adapted model's state dict (`add_lora`'s model, its own names),
+    named as peft saves them (`adapter_model.safetensors`)."""
     from peft import get_peft_model_state_dict
 
-    return {key: value.detach() for key, value in get_peft_model_state_dict(adapters).items()}
+    prefixed = {f"base_model.model.{key}": value for key, value in adapter_tensors(state).items()}
+    return get_peft_model_state_dict(adapters, state_dict=prefixed)
 
 
-def load_adapters(adapters: PeftModel, directory: Path) -> None:
-    """The adapter weights a checkpoint saved (`adapter/adapter_model.safetensors`), loaded in place."""
-    from peft import set_peft_model_state_dict
-
-    result = set_peft_model_state_dict(adapters, load_file(directory / "adapter_model.safetensors"))
-    missing = [key for key in result.missing_keys if ".lora_" in key]
-    if missing or result.unexpected_keys:
-        raise ValueError(f"{directory}: the adapters do not fit model.lora (missing {missing[:3]}, "
-                         f"unexpected {list(result.unexpected_keys)[:3]})")  # fmt: skip
+def saved_adapters(model: nn.Module, directory: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's adapters (`adapter/adapter_model.safetensors`, peft's names) under the adapted
+    `model`'s names, checked to be exactly the adapters `model.lora` made."""
+    saved = load_file(directory / "adapter_model.safetensors")
+    own = {f"{key.removeprefix('base_model.model.').removesuffix('.weight')}.{ADAPTER}.weight": value
+           for key, value in saved.items()}  # fmt: skip
+    expected = set(adapter_tensors(model.state_dict()))
+    if set(own) != expected:
+        raise ValueError(f"{directory}: the adapters do not fit model.lora (missing {sorted(expected - set(own))[:3]}, "
+                         f"unexpected {sorted(set(own) - expected)[:3]})")  # fmt: skip
+    return own
