@@ -389,6 +389,13 @@ class TrainerConfig(Section):
     grad_bucket_mb: float = Field(
         32.0, gt=0, description="DDP: most gradient MB copied into one all-reduce (bounds the extra memory)."
     )
+    router_aux_loss_coef: float = Field(
+        0.0,
+        ge=0,
+        description="Mixture-of-experts policies: weight of the load-balancing auxiliary loss (Switch "
+        "Transformer's, as Qwen3-MoE adds it in transformers; top-k when the load is even) added to the RL "
+        "loss; 0 = off. A dense model with it set is refused.",
+    )
     warm_start_steps: int = Field(0, ge=0, description="SFT steps on the task's demonstrations before RL (0 = none).")
     warm_start_batch_size: int = Field(16, ge=1, description="Demonstrations per warm-start step.")
     warm_start_lr: float | None = Field(None, gt=0, description="Learning rate of the warm start (None = trainer.lr).")

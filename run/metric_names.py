@@ -66,9 +66,13 @@ METRICS: dict[str, dict[str, str]] = {
         "expert no token reached).",
         "moe/router_entropy": "Mixture-of-experts policies: mean entropy (nats) of the first layer's router "
         "distribution over the experts, per token (log num_experts: uniform).",
+        "moe/aux_loss": "With trainer.router_aux_loss_coef set: the load-balancing loss of the step's RL passes, "
+        "num_experts · Σ_e f_e · P_e over every layer's tokens (f_e: expert e's assignments per token, P_e: its "
+        "mean router probability); an even load gives experts_per_token.",
     },
     "Losses": {
-        "loss/total": "loss/rl + replay weight · loss/replay + SDPO weight · loss/sdpo.",
+        "loss/total": "loss/rl + replay weight · loss/replay + SDPO weight · loss/sdpo "
+        "(+ trainer.router_aux_loss_coef · moe/aux_loss).",
         "loss/rl": "RL loss per loss-mask token (absent when no rollout had a non-zero advantage).",
         "loss/replay": "Replay channel's DPO or SimPO loss, unweighted (steps with pairs).",
         "loss/sdpo": "SDPO channel's self-distillation loss at tool-error recovery tokens, unweighted.",

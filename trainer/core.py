@@ -234,6 +234,8 @@ class TrainerCore:
         # After sharding: FSDP2 replaces the parameters with sharded ones, which the optimizer must hold.
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.router = RouterStats.attach(self.model)  # a mixture of experts: its expert load per step
+        if config.trainer.router_aux_loss_coef and self.router is None:
+            raise ValueError("trainer.router_aux_loss_coef is set, but the model has no experts (no MoE routers)")
         t = config.trainer
         self.optimizer = torch.optim.AdamW(self.trainable, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
@@ -321,8 +323,15 @@ class TrainerCore:
             )  # fmt: skip
             return out.loss, out.metrics
 
-        with self._autocast():
-            return self.call(fn, self._with_reference(_to(batch, self.device)))
+        balanced = self.router is not None and self.config.trainer.router_aux_loss_coef > 0 and rl_token_count
+        with self._autocast(), self.router.keeping() if balanced else nullcontext():
+            loss, metrics = self.call(fn, self._with_reference(_to(batch, self.device)))
+        balance = self.router.balance_loss() if balanced else None
+        if balance is not None:  # an RL pass of a mixture of experts: weighted by its share of the tokens
+            share = float(batch["loss_mask"].sum()) / rl_token_count
+            loss = loss + self.config.trainer.router_aux_loss_coef * balance * share
+            metrics["moe/aux_loss"] = float(balance)
+        return loss, metrics
 
     def _passes(self, shards: list[list[dict[str, Any]]], rank: int) -> list[tuple[dict[str, Any], float]]:
         """Rank `rank`'s batches at weight 1. Under FSDP2 every rank must run as many
@@ -388,6 +397,7 @@ class TrainerCore:
             metrics["sdpo/tokens"] = sdpo_tokens
         metrics["loss/total"] = (
             metrics.get("loss/rl", 0.0)
+            + self.config.trainer.router_aux_loss_coef * metrics.get("moe/aux_loss", 0.0)
             + self.config.loss.replay.weight * metrics.get("loss/replay", 0.0)
             + self.config.loss.sdpo.weight * metrics.get("loss/sdpo", 0.0)
         )
