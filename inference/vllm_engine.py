@@ -82,8 +82,15 @@ def reload_into_worker(worker: Any, weights: Any) -> None:
 
     The CPU build packs each linear weight for oneDNN when it is processed; a tied head is a
     module of its own over the embedding's weight, loaded through the embedding, so vLLM's
-    reload leaves its packed copy at the old weights (its logits were 3.9 nats off)."""
+    reload leaves its packed copy at the old weights (its logits were 3.9 nats off). Its experts'
+    kernel packs a mixture of experts' weights into its grouped-GEMM layout only at the first load;
+    after a reload the layer holds the new weights unpacked, which that kernel misread (a reload of
+    the same weights put the sampler 0.22 nats off), so they are packed again here."""
     worker.reload_weights(weights_iterator=weights)
+    for module in worker.get_model().modules():  # a mixture of experts: see the docstring
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        if kernel is not None:
+            kernel.fused_experts.process_weights_after_loading(module)
     owners: dict[int, list[Any]] = {}
     for module in worker.get_model().modules():
         weight = module._parameters.get("weight")
@@ -132,6 +139,20 @@ def checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def checkpoint_layout(path: str | Path) -> Callable[[dict[str, Tensor]], dict[str, Tensor]]:
+    """What turns a trainer's state dict (transformers' in-memory names and layouts) into the
+    checkpoint's, which vLLM loads: transformers' own `revert_weight_conversion`, as `save_pretrained`
+    uses it, on a weightless copy of the model. The identity for most dense models; a mixture of
+    experts' fused `experts.gate_up_proj` / `experts.down_proj` become the per-expert weights."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    return lambda state_dict: revert_weight_conversion(skeleton, state_dict)
+
+
 def text_config(path: str | Path) -> dict[str, Any]:
     """The model directory's config.json (its text model's part, for multimodal configs)."""
     config = json.loads((Path(path) / "config.json").read_text())
@@ -174,6 +195,7 @@ class VLLMEngine:
         if max_model_len is not None:  # no request outgrows the model's positions (vLLM refuses a longer cap)
             max_model_len = min(max_model_len, config.get("max_position_embeddings") or max_model_len)
         self._shapes = checkpoint_shapes(path)
+        self._layout = checkpoint_layout(path)
         # Every call into vLLM runs on this one thread, the one that built the engine: the CPU
         # build's attention kernels check the OpenMP thread count its set-up saw, and a caller's
         # thread (the episode scheduler's) may have another ("thread_num 2 vs. 1").
@@ -196,7 +218,8 @@ class VLLMEngine:
         return self._version
 
     def load_weights(self, state_dict: dict[str, Tensor], version: int) -> None:
-        """All of a version's weights (HF names) or none: a state dict that lacks a checkpoint
+        """All of a version's weights (HF names, in transformers' layout or the checkpoint's) or none:
+        a state dict that lacks a checkpoint
         weight or has one of another shape is refused before the engine is touched (extra names,
         such as a tied head, are left out); the load itself is vLLM's worker-side `reload_weights`
         (`reload_into_worker`), which re-runs each layer's post-load processing (the CPU build
@@ -204,6 +227,7 @@ class VLLMEngine:
         The version is stamped only once every weight is in; a load that fails part-way leaves the
         engine refusing to sample (EngineBroken), never serving a mix of two versions."""
         self._serving()
+        state_dict = self._layout(state_dict)
         missing = [name for name in self._shapes if name not in state_dict]
         wrong = [f"{name} {tuple(state_dict[name].shape)} (checkpoint {shape})" for name, shape in
                  self._shapes.items() if name in state_dict and tuple(state_dict[name].shape) != shape]  # fmt: skip

@@ -17,6 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from meshrl.configs import load_config
 from meshrl.configs.schema import TinyModelConfig
 from meshrl.inference.completion import Completion, request_seeds
 from meshrl.inference.vllm_engine import (
@@ -30,6 +31,7 @@ from meshrl.inference.vllm_engine import (
 from meshrl.ingress.worker import RolloutWorker
 from meshrl.loss_adapters.logprobs import sequence_token_logprobs
 from meshrl.models.gguf import ensure_gguf
+from meshrl.models.tiny import ensure_tiny
 from meshrl.rollouts.episodes import EpisodeFormat
 from tests.test_chat_families import FAMILIES, TASK, family_tokenizer, memorised, sampled_episode, scripted
 from tests.test_ingress import make_harness, worked_offers
@@ -298,6 +300,24 @@ def test_an_outside_rollout_worker_on_vllm_is_never_rejected(tmp_path):
     assert len(accepted) == 12 and worker.stats.verdicts == {"accepted": 12}
     assert "worker: vllm engine on cpu, policy version 0" in logs
     assert h.server.verifier.stats.checked_tokens == sum(sum(r.loss_mask) for g in accepted for r in g.rollouts) > 0
+
+
+def test_a_mixture_of_experts_samples_the_trainers_logprobs_before_and_after_an_update(tmp_path):
+    """The tiny Qwen3-MoE shape on vLLM's CPU build (its fused-MoE path): the sampled tokens'
+    logprobs are the trainer's HF model's, routing included (the R3 problem), before and after a
+    weight update of every expert."""
+    from tests.test_moe import MOE
+
+    config = load_config([*MOE, "--model.tiny.hidden_size", "128", "--model.tiny.num_heads", "2"])
+    path = ensure_tiny(tmp_path / "moe", config.model.tiny)
+    moe = cpu_engine(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    prompts = [list(range(5, 15)), list(range(20, 26))]
+    before = moe.generate(prompts, temperature=1.0, top_p=1.0, max_new_tokens=24, seed=0)
+    assert worst_gap(model, before, 1.0) < 1e-4
+    moe.load_weights(next_version(model, scale=0.05), version=1)
+    after = moe.generate(prompts, temperature=1.0, top_p=1.0, max_new_tokens=24, seed=0)
+    assert after != before and worst_gap(model, after, 1.0) < 1e-4
 
 
 def test_an_update_that_fails_part_way_leaves_an_engine_that_refuses_to_sample(engine, trainer_model, smollm2):
