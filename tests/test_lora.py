@@ -63,6 +63,23 @@ def test_only_the_adapters_train_and_the_reference_is_the_base_model_exactly(mod
     assert not torch.equal(policy["dpo_ref_chosen_logprob"], explicit["dpo_ref_chosen_logprob"])
 
 
+def test_adapters_train_in_bf16_over_float32_masters_with_an_exact_reference(model_path):
+    """`model.dtype = "bfloat16"`: the adapters stay float32 masters and train under autocast; at the
+    start the reference (adapters off) is the policy exactly (B = 0), so DPO's margin is 0."""
+    config = load_config([*LORA, "--model.dtype", "bfloat16", "--loss.replay.weight", "0.5"])
+    core = TrainerCore(config, model_path)
+    vocab = core.model.config.vocab_size
+    _, metrics = core._loss(dpo_batch(3, vocab))
+    assert metrics["replay/margin"] == 0
+    before = {n: p.detach().clone() for n, p in core.model.named_parameters()}
+    step = core.train_step([[rl_batch(core.model, 0)]], [dpo_batch(4, vocab)], rl_tokens=10)
+    assert step["skipped_steps"] == 0
+    moved = {name for name, p in core.model.named_parameters() if not torch.equal(p, before[name])}
+    assert all(p.dtype == torch.float32 for p in core.model.parameters())
+    # the adapters alone moved: B (A's gradient is B^T·…, 0 while B is 0 on the first step)
+    assert moved and all(".lora_B." in name for name in moved)
+
+
 def test_generators_get_the_merged_weights_and_a_resume_is_exact(model_path, tmp_path):
     config = load_config(LORA)
     core = TrainerCore(config, model_path)
