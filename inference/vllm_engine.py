@@ -218,12 +218,12 @@ class VLLMEngine:
         return self._version
 
     def load_weights(self, state_dict: dict[str, Tensor], version: int) -> None:
-        """All of a version's weights (HF names, in transformers' layout or the checkpoint's) or none:
-        a state dict that lacks a checkpoint
-        weight or has one of another shape is refused before the engine is touched (extra names,
-        such as a tied head, are left out); the load itself is vLLM's worker-side `reload_weights`
-        (`reload_into_worker`), which re-runs each layer's post-load processing (the CPU build
-        repacks linear weights, so the model's own `load_weights` cannot update them in place).
+        """All of a version's weights (HF names, in transformers' layout or the checkpoint's) or
+        none: a state dict that lacks a checkpoint weight or has one of another shape is refused
+        before the engine is touched (extra names, such as a tied head, are left out); the load
+        itself is vLLM's worker-side `reload_weights` (`reload_into_worker`), which re-runs each
+        layer's post-load processing (the CPU build repacks linear weights, so the model's own
+        `load_weights` cannot update them in place).
         The version is stamped only once every weight is in; a load that fails part-way leaves the
         engine refusing to sample (EngineBroken), never serving a mix of two versions."""
         self._serving()

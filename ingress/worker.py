@@ -4,11 +4,11 @@ Needs no Monarch and no shared filesystem: the spec brings the task's import pat
 package must be installed here), the sampling parameters and the model's config and tokenizer;
 weights come over the same connection, version by version (in a LoRA run the adapters alone,
 after the base model once: an HF engine holds the adapters itself, vLLM gets them merged here).
-Episodes run on the same
-`EpisodeScheduler` as the mesh's generators. The worker leases a few groups at a time, follows
-new policy versions as the controller announces them, rides out network cuts and controller
-restarts (requests are retried; leases of a restarted controller are void and simply dropped),
-and stops at SIGTERM after closing its sockets.
+Episodes run on the same `EpisodeScheduler` as the mesh's generators. The worker leases a few
+groups at a time, follows new policy versions as the controller announces them, rides out
+network cuts and controller restarts (requests are retried; leases of a restarted controller are
+void and simply dropped), and stops at SIGTERM after closing its sockets (SIGUSR1 prints every
+thread's stack to its log).
 """
 
 from __future__ import annotations
