@@ -128,12 +128,17 @@ def test_two_islands_sync_survive_a_death_and_heal_on_resume(tmp_path):
 @pytest.mark.network
 def test_lora_islands_sync_their_adapters_alone_through_the_meshes(tmp_path):
     """Two LoRA islands, every outer step with both: the same global adapters after each, and
-    each outer step's payload is the adapters' bytes (the base model never travels)."""
+    each outer step's payload is the adapters' bytes (the base model never travels). Island b
+    samples with vLLM's CPU build, which gets the merged weights: on-policy, its sampler agrees
+    with its trainer after every update as island a's HF engines (sent the adapters) do."""
     from safetensors.torch import load_file
 
     lighthouse = serve_lighthouse("[::]:0", min_islands=2, join_timeout_ms=10_000, heartbeat_timeout_ms=2_000)
-    lora = ["--model.lora", '{"r": 4, "lora_alpha": 8}', "--max-steps", "6", "--trainer.diloco.min_islands", "2"]
-    procs = {name: island(tmp_path / name, name, lighthouse.address(), *lora) for name in "ab"}
+    lora = ["--model.lora", '{"r": 4, "lora_alpha": 8}', "--max-steps", "6", "--trainer.diloco.min_islands", "2",
+            "--model.tiny.hidden_size", "128", "--model.tiny.num_heads", "2", "--generator.max_async_level", "0"]  # fmt: skip
+    vllm = ["--generator.backend", "vllm", "--topology.generator.gpus_per_proc", "0"]
+    procs = {name: island(tmp_path / name, name, lighthouse.address(), *lora, *(vllm if name == "b" else []))
+             for name in "ab"}  # fmt: skip
     try:
         for name, proc in procs.items():
             assert proc.wait(timeout=600) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
@@ -150,6 +155,11 @@ def test_lora_islands_sync_their_adapters_alone_through_the_meshes(tmp_path):
     adapters = load_file(tmp_path / "a" / "checkpoints" / "step_6" / "adapter" / "adapter_model.safetensors")
     adapter_bytes = sum(t.numel() * 4 for t in adapters.values())  # float32 master weights
     assert ra[-1]["diloco/payload_bytes"] == (6 // H) * adapter_bytes
+    kl = {
+        name: [r["mismatch_kl"] for r in rs if "mismatch_kl" in r]
+        for name, rs in (("a", ra), ("b", rb))
+    }
+    assert len(kl["a"]) >= 4 and len(kl["b"]) >= 4 and max(kl["a"] + kl["b"]) < 1e-4, kl  # steps that trained RL
 
 
 @pytest.mark.network  # a lighthouse and torchft's stores on loopback
