@@ -155,10 +155,7 @@ def test_lora_islands_sync_their_adapters_alone_through_the_meshes(tmp_path):
     adapters = load_file(tmp_path / "a" / "checkpoints" / "step_6" / "adapter" / "adapter_model.safetensors")
     adapter_bytes = sum(t.numel() * 4 for t in adapters.values())  # float32 master weights
     assert ra[-1]["diloco/payload_bytes"] == (6 // H) * adapter_bytes
-    kl = {
-        name: [r["mismatch_kl"] for r in rs if "mismatch_kl" in r]
-        for name, rs in (("a", ra), ("b", rb))
-    }
+    kl = {name: [r["mismatch_kl"] for r in rs if "mismatch_kl" in r] for name, rs in (("a", ra), ("b", rb))}
     assert len(kl["a"]) >= 4 and len(kl["b"]) >= 4 and max(kl["a"] + kl["b"]) < 1e-4, kl  # steps that trained RL
 
 
