@@ -178,10 +178,12 @@ class RolloutWorker:
         start on weights it cannot check."""
         if (self.client.epoch, self.client.version) == self.loaded:
             return
+        version, weights = self.client.weights()
+        # Judged by the controller the weights came from: one that dies while a new version is
+        # fetched is retried, and the retry may reach its restarted successor.
         restarted = self.client.epoch != self.loaded[0]
         if restarted:
             self.held.clear()
-        version, weights = self.client.weights()
         landed = self.scheduler.load_weights(self._policy(weights), version)
         self.loaded = (self.client.epoch, version)
         self.stats.weight_versions += 1

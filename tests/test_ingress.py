@@ -502,3 +502,37 @@ def base_model_gap(h: Harness, rollout: Rollout) -> float:
         adapted = sequence_token_logprobs(h.engine.model, ids, temperature=h.temperature)[0]
         plain = sequence_token_logprobs(base, ids, temperature=h.temperature)[0]
     return float((adapted - plain).abs()[mask].mean())
+
+
+def test_a_controller_that_restarts_while_a_new_version_is_fetched_is_followed_as_a_restart(tmp_path):
+    """The old controller announced version 5 and died before the download; the retried requests
+    reached its restarted successor, whose weights (version 3) arrived. That is a restart: the old
+    leases are dropped and the new weights waited for before any group starts (the successor's
+    versions may be numbered below the old ones). The run test caught the worker treating it as a
+    plain version change: it never logged the restart and kept the void leases."""
+
+    class Controllers:  # the wire's far side: the old controller, then its successor
+        epoch, version = "old", 5
+
+        def weights(self) -> tuple[int, dict]:
+            self.epoch, self.version = "new", 3  # the download's retries reached the restarted controller
+            return 3, {}
+
+    class Scheduler:  # stages each version and lands it at once
+        def __init__(self) -> None:
+            self.loaded: list[int] = []
+
+        def load_weights(self, weights: dict, version: int) -> threading.Event:
+            self.loaded.append(version)
+            landed = threading.Event()
+            landed.set()
+            return landed
+
+    logs: list[str] = []
+    worker = RolloutWorker(Controllers(), log=logs.append)
+    worker.scheduler, worker.loaded = Scheduler(), ("old", 4)
+    worker.held = {"old-lease": time.monotonic() + 60}
+    worker._follow()
+    worker._tmp.cleanup()
+    assert worker.held == {} and worker.loaded == ("new", 3) and worker.scheduler.loaded == [3]
+    assert logs == ["worker: following the restarted controller, policy version 3"]
