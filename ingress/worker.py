@@ -196,7 +196,7 @@ class RolloutWorker:
         them), or the adapted layers merged with the base (vLLM)."""
         if self.lora is None or not self.base:
             return weights
-        return {**self.base, **merge_adapters(self.base, weights, self.lora)}  # vLLM takes whole updates
+        return merge_adapters(self.base, weights, self.lora)  # the whole model: vLLM takes whole updates
 
     def close(self) -> None:
         if self.scheduler is not None:

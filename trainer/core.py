@@ -330,7 +330,7 @@ class TrainerCore:
         if balance is not None:  # an RL pass of a mixture of experts: weighted by its share of the tokens
             share = float(batch["loss_mask"].sum()) / rl_token_count
             loss = loss + self.config.trainer.router_aux_loss_coef * balance * share
-            metrics["moe/aux_loss"] = float(balance)
+            metrics["moe/aux_loss"] = float(balance.detach())
         return loss, metrics
 
     def _passes(self, shards: list[list[dict[str, Any]]], rank: int) -> list[tuple[dict[str, Any], float]]:

@@ -55,17 +55,17 @@ def merged_state(state: dict[str, torch.Tensor], config: LoraConfig) -> dict[str
     """An adapted model's state dict as the plain model's: the base model's names, each adapted
     layer's weight merged with its adapter's delta (`merge_adapters`)."""
     base = {key.replace(".base_layer.", "."): value for key, value in state.items() if ".lora_" not in key}
-    return {**base, **merge_adapters(base, adapter_tensors(state), config)}
+    return merge_adapters(base, adapter_tensors(state), config)
 
 
 def merge_adapters(
     base: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], config: LoraConfig
 ) -> dict[str, torch.Tensor]:
-    """The adapted layers' weights merged on the receiving side: each base weight plus
-    lora_alpha / r × B A from adapters under the adapted model's names (`adapter_tensors`). For an engine
-    that cannot hold adapters itself (vLLM): the adapters travel, the base stays where it is."""
+    """The base weights with each adapted layer's merged: its base weight plus lora_alpha / r × B A
+    from adapters under the adapted model's names (`adapter_tensors`). For an engine that cannot
+    hold adapters itself (vLLM): the adapters travel, the base stays where it is."""
     suffix = f".lora_A.{ADAPTER}.weight"
-    merged = {}
+    merged = dict(base)
     for key, a in adapters.items():
         if not key.endswith(suffix):
             continue
