@@ -1,9 +1,12 @@
 """GPU checks on a Qwen3-0.6B-shaped model with random weights, one process, one GPU.
 
-    python benchmarks/gpu_checks.py [--seq 4096 8192 16384] [--steps 3] [--lora R] [--small]
+    python benchmarks/gpu_checks.py [--seq 4096 8192 16384] [--steps 3] [--ac full none] [--packed 2048]
+                                    [--lora R] [--small]
 
-1. `TrainerCore` in bf16 (float32 master weights, autocast), one packed RL sequence of each
-   `--seq` length per step: tokens/s, MFU and peak GPU memory. MFU is printed in two
+1. `TrainerCore` in bf16 (float32 master weights, autocast), one RL row of each `--seq` length per
+   step, under each `--ac` (`trainer.activation_checkpointing`): tokens/s, MFU and peak GPU memory;
+   with `--packed N`, also a row of N-token samples (position ids restarting: the trainer attends
+   them document by document), whose MFU counts attention over N-token documents. MFU is printed in two
    conventions: PRIME-RL's (6·N·tokens + 12·layers·d_model·seq, N with the embedding; its
    benchmark table gives Qwen3-0.6B 11.9k tokens/s at 11.1% MFU on one H100 at seq 16384,
    with activation recomputation and FlashAttention 3) and torchtitan's (6·N without the
@@ -86,41 +89,57 @@ def synced() -> float:
     return time.perf_counter()
 
 
-def rl_batch(core: TrainerCore, seq: int, seed: int) -> dict[str, torch.Tensor]:
-    """One packed sequence: the first eighth is prompt, the rest completion with on-policy logprobs."""
+def rl_batch(core: TrainerCore, seq: int, seed: int, sample: int) -> dict[str, torch.Tensor]:
+    """One row of `seq` tokens holding samples of `sample` tokens (position ids restarting, as
+    rollouts/packing.py packs them; `sample` = `seq`: one sample). Each sample's first eighth is
+    prompt, the rest completion with on-policy logprobs."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, core.model.config.vocab_size, (1, seq), generator=g)
-    mask = torch.zeros(1, seq, dtype=torch.bool)
-    mask[:, seq // 8 :] = True
-    batch = {"input_ids": ids, "loss_mask": mask, "advantages": torch.randn(1, seq, generator=g) * mask}
+    positions = torch.arange(seq) % sample
+    mask = (positions >= sample // 8)[None]
+    batch = {"input_ids": ids, "loss_mask": mask, "advantages": torch.randn(1, seq, generator=g) * mask,
+             "position_ids": positions[None]}  # fmt: skip
     with torch.no_grad(), core._autocast():
         logprobs = sequence_token_logprobs(core.model, ids.to(core.device), core.config.model.logprob_chunk_size,
-                                           core.config.generator.temperature)  # fmt: skip
+                                           core.config.generator.temperature,
+                                           position_ids=batch["position_ids"].to(core.device))  # fmt: skip
     batch["inference_logprobs"] = logprobs.float().cpu() * mask
     return {k: v.to(core.device) for k, v in batch.items()}
 
 
-def trainer(path: Path, model_config: Qwen3Config, seqs: list[int], steps: int, device: str, lora: int) -> None:
-    """Full weights, then (with `lora` > 0) LoRA adapters of that rank, one fresh core each."""
-    arms = {"full": []} | ({f"lora r={lora}": ["--model.lora", json.dumps({"r": lora, "lora_alpha": 2 * lora})]}
-                           if lora else {})  # fmt: skip
+def trainer(path: Path, model_config: Qwen3Config, args: argparse.Namespace, device: str) -> None:
+    """One fresh core per arm: full weights under each `--ac` mode of `trainer.activation_checkpointing`,
+    then (with `--lora` > 0) LoRA adapters of that rank. Each sequence length runs as one sample and,
+    with `--packed N`, as a row of N-token samples."""
+    arms = {f"full ac={ac}": ["--trainer.activation_checkpointing", ac] for ac in args.ac}
+    if args.lora:
+        arms[f"lora r={args.lora} ac={args.ac[0]}"] = [
+            "--trainer.activation_checkpointing", args.ac[0],
+            "--model.lora", json.dumps({"r": args.lora, "lora_alpha": 2 * args.lora}),
+        ]  # fmt: skip
     for name, overrides in arms.items():
         core = TrainerCore(load_config(["--model.dtype", "bfloat16", *overrides]), str(path), device=device)
         trained = sum(p.numel() for p in core.trainable)
-        print(f"trainer {name}: {trained:,} trained parameters", flush=True)
-        for seq in seqs:
-            try:
-                step_report(core, model_config, seq, steps, device, name)
-            except torch.OutOfMemoryError as exc:
-                print(f"trainer {name} seq {seq:>5}: out of memory ({str(exc).splitlines()[0]})", flush=True)
+        print(f"trainer {name}: {trained:,} trained parameters, {core.checkpointed_layers} layers checkpointed",
+              flush=True)  # fmt: skip
+        for seq in args.seq:
+            for sample in [seq] + ([args.packed] if args.packed and args.packed < seq else []):
+                row = f"{name} seq {seq:>6}" + (f" packed {seq // sample}x{sample}" if sample < seq else "")
+                try:
+                    step_report(core, model_config, seq, sample, args.steps, device, row)
+                except torch.OutOfMemoryError as exc:
+                    print(f"trainer {row}: out of memory ({str(exc).splitlines()[0]})", flush=True)
+                if device == "cuda":
+                    torch.cuda.empty_cache()
         del core
         if device == "cuda":
             torch.cuda.empty_cache()
 
 
-def step_report(core: TrainerCore, model_config: Qwen3Config, seq: int, steps: int, device: str, name: str) -> None:
-    """Warm-up step, then the median of `steps` timed steps on one packed sequence of `seq` tokens."""
-    batch = rl_batch(core, seq, seed=seq)
+def step_report(core: TrainerCore, model_config: Qwen3Config, seq: int, sample: int, steps: int, device: str,
+                row: str) -> None:  # fmt: skip
+    """Warm-up step, then the median of `steps` timed steps on one row of `seq` tokens."""
+    batch = rl_batch(core, seq, seed=seq, sample=sample)
     rl_tokens = int(batch["loss_mask"].sum())
     core.train_step([[batch]], [None], rl_tokens)  # warm-up: kernels, allocator, AdamW state
     if device == "cuda":
@@ -132,9 +151,9 @@ def step_report(core: TrainerCore, model_config: Qwen3Config, seq: int, steps: i
         times.append(synced() - start)
     step_s = statistics.median(times)
     rate = seq / step_s
-    mfu = {name: rate * f / peak_flops() for name, f in flops_per_token(model_config, seq).items()}
+    mfu = {name: rate * f / peak_flops() for name, f in flops_per_token(model_config, sample).items()}
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
-    print(f"trainer {name} seq {seq:>5}: {step_s:.3f} s/step, {rate:,.0f} tokens/s, MFU {mfu['prime-rl']:.1%} "
+    print(f"trainer {row}: {step_s:.3f} s/step, {rate:,.0f} tokens/s, MFU {mfu['prime-rl']:.1%} "
           f"(PRIME-RL's formula) / {mfu['torchtitan']:.1%} (torchtitan's), peak {peak:.1f} GiB, "
           f"loss {metrics['loss/total']:.4f}, grad_norm {metrics['grad_norm']:.3f}", flush=True)  # fmt: skip
 
@@ -204,6 +223,10 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--lora", type=int, default=0, help="also a LoRA arm of this rank (0: full weights only)")
+    parser.add_argument("--ac", nargs="+", default=["full", "none"], choices=["none", "full", "selective"],
+                        help="trainer.activation_checkpointing of each full-weights arm (LoRA takes the first)")
+    parser.add_argument("--packed", type=int, default=0,
+                        help="also a packed row of samples of this many tokens at each --seq (0: one sample only)")
     parser.add_argument("--small", action="store_true", help="a tiny model of the same family, for a CPU check")
     parser.add_argument("--skip", nargs="*", default=[], choices=["trainer", "parity", "engine"])
     args = parser.parse_args()
@@ -217,7 +240,7 @@ def main() -> None:
             Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp)
         print(f"built {config.num_hidden_layers}-layer Qwen3 ({time.perf_counter() - start:.0f} s)", flush=True)
         if "trainer" not in args.skip:
-            trainer(Path(tmp), config, args.seq, args.steps, device, args.lora)
+            trainer(Path(tmp), config, args, device)
         if "parity" not in args.skip:
             for sharpen in (1.0, 8.0):
                 parity(Path(tmp), min(args.seq), device, sharpen)

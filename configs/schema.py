@@ -396,6 +396,20 @@ class TrainerConfig(Section):
         "Transformer's, as Qwen3-MoE adds it in transformers; top-k when the load is even) added to the RL "
         "loss; 0 = off. A dense model with it set is refused.",
     )
+    activation_checkpointing: Literal["none", "full", "selective"] = Field(
+        "none",
+        description="Decoder layers that recompute their activations in backward instead of keeping them: "
+        "'none', 'full' (every layer: memory per token drops ~8x on Qwen3 shapes), 'selective' (every "
+        "trainer.activation_checkpointing_every-th layer). Off by default: on a CPU it only costs time.",
+    )
+    activation_checkpointing_every: int = Field(
+        2, ge=2, description="'selective' checkpointing: every k-th decoder layer, from the first, recomputes."
+    )
+    activation_offload: bool = Field(
+        False,
+        description="Checkpointed layers keep their inputs in (pinned) host memory until backward instead of on "
+        "the device. Needs activation_checkpointing.",
+    )
     warm_start_steps: int = Field(0, ge=0, description="SFT steps on the task's demonstrations before RL (0 = none).")
     warm_start_batch_size: int = Field(16, ge=1, description="Demonstrations per warm-start step.")
     warm_start_lr: float | None = Field(None, gt=0, description="Learning rate of the warm start (None = trainer.lr).")
@@ -403,6 +417,17 @@ class TrainerConfig(Section):
         False, description="RL continues the warm start's AdamW moments (default: RL starts with fresh ones)."
     )
     diloco: DilocoConfig = Field(default_factory=DilocoConfig, description="DiLoCo across islands (torchft).")
+
+    @field_validator("activation_checkpointing", mode="before")
+    @classmethod
+    def _none_is_off(cls, value: Any) -> Any:
+        return "none" if value is None else value  # the command line reads `none` as None
+
+    @model_validator(mode="after")
+    def _offload_needs_checkpointing(self) -> TrainerConfig:
+        if self.activation_offload and self.activation_checkpointing == "none":
+            raise ValueError("trainer.activation_offload needs trainer.activation_checkpointing 'full' or 'selective'")
+        return self
 
     @model_validator(mode="after")
     def _diloco_replicates(self) -> TrainerConfig:

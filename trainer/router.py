@@ -16,6 +16,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from meshrl.trainer.activations import recomputing
+
 
 class RouterStats:
     """Counts kept from the routers' forwards since the last `take()`."""
@@ -46,6 +48,8 @@ class RouterStats:
 
     def _hook(self, layer: int):
         def count(module: nn.Module, inputs: object, output: tuple[torch.Tensor, ...]) -> None:
+            if recomputing():  # a checkpointed layer's replay in backward: its forward was counted
+                return
             logits, _, chosen = output
             if self.keep and logits.requires_grad:
                 self.logits.append(logits)
