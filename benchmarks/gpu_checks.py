@@ -223,10 +223,19 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--lora", type=int, default=0, help="also a LoRA arm of this rank (0: full weights only)")
-    parser.add_argument("--ac", nargs="+", default=["full", "none"], choices=["none", "full", "selective"],
-                        help="trainer.activation_checkpointing of each full-weights arm (LoRA takes the first)")
-    parser.add_argument("--packed", type=int, default=0,
-                        help="also a packed row of samples of this many tokens at each --seq (0: one sample only)")
+    parser.add_argument(
+        "--ac",
+        nargs="+",
+        default=["full", "none"],
+        choices=["none", "full", "selective"],
+        help="trainer.activation_checkpointing of each full-weights arm (LoRA takes the first)",
+    )
+    parser.add_argument(
+        "--packed",
+        type=int,
+        default=0,
+        help="also a packed row of samples of this many tokens at each --seq (0: one sample only)",
+    )
     parser.add_argument("--small", action="store_true", help="a tiny model of the same family, for a CPU check")
     parser.add_argument("--skip", nargs="*", default=[], choices=["trainer", "parity", "engine"])
     args = parser.parse_args()

@@ -21,7 +21,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM

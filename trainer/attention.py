@@ -53,8 +53,13 @@ def document_attention(
     for b, positions in enumerate(position_ids.expand(query.shape[0], -1)):
         parts = [
             F.scaled_dot_product_attention(
-                query[b : b + 1, :, s:e], key[b : b + 1, :, s:e], value[b : b + 1, :, s:e],
-                dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa,
+                query[b : b + 1, :, s:e],
+                key[b : b + 1, :, s:e],
+                value[b : b + 1, :, s:e],
+                dropout_p=dropout,
+                is_causal=True,
+                scale=scaling,
+                enable_gqa=gqa,
             )  # fmt: skip
             for s, e in document_spans(positions)
         ]
