@@ -10,8 +10,8 @@ Which parser a run uses is `model.tool_parser` (the family of the policy's chat 
 - `mistral`: the content, then `[TOOL_CALLS]` and either a JSON list of `{"name", "arguments"}`
   (v3 tokenizers) or `name[ARGS]{...}` per call (v11+ tokenizers).
 
-A call the model botched (bad JSON, no string name, arguments that are not an object, a block
-never closed) still counts as a call, named `<malformed>` with no arguments: the task answers it
+A call the model botched (bad JSON, no string name, arguments that are not an object or nest
+deeper than `MAX_NESTING`, a block never closed) still counts as a call, named `<malformed>` with no arguments: the task answers it
 with an error result the model can learn from, where an exception would end the episode. Text
 after the calls is not part of any template's form and is dropped.
 """
@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 from transformers import PreTrainedTokenizerBase
 
 MALFORMED = "<malformed>"
+MAX_NESTING = 32  # a call's arguments nested deeper are malformed: every later render and dump stays shallow
 
 
 class ParsedTurn(NamedTuple):
@@ -38,19 +39,31 @@ def tool_call(index: int, parsed: Any, arguments_key: str = "arguments") -> dict
     with a string name and object arguments (a JSON string of one is accepted)."""
     arguments = parsed.get(arguments_key) if isinstance(parsed, dict) else None
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            arguments = None
-    well_formed = isinstance(parsed, dict) and isinstance(parsed.get("name"), str) and isinstance(arguments, dict)
+        arguments = _loads(arguments)
+    well_formed = (isinstance(parsed, dict) and isinstance(parsed.get("name"), str) and isinstance(arguments, dict)
+                   and nesting(arguments) <= MAX_NESTING)  # fmt: skip
     name, arguments = (parsed["name"], arguments) if well_formed else (MALFORMED, {})
     return {"id": f"call_{index}", "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
+def nesting(value: Any) -> int:
+    """How deeply lists and objects nest in a JSON value (iteratively: no recursion to exhaust)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
 def _loads(text: str) -> Any:
+    """JSON, or None (malformed, or nested past the decoder's recursion limit: a policy's
+    1,000 brackets raised RecursionError here)."""
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 
 
@@ -76,7 +89,7 @@ def parse_llama3(text: str) -> ParsedTurn:
     while rest:
         try:
             parsed, end = decoder.raw_decode(rest)
-        except ValueError:
+        except (ValueError, RecursionError):
             calls.append(tool_call(len(calls), None))
             break
         key = "parameters" if isinstance(parsed, dict) and "parameters" in parsed else "arguments"
@@ -99,7 +112,7 @@ def parse_mistral(text: str) -> ParsedTurn:
     if rest.startswith("["):  # v3: one JSON list of calls
         try:
             parsed, _ = json.JSONDecoder().raw_decode(rest)
-        except ValueError:
+        except (ValueError, RecursionError):
             parsed = None
         items = parsed if isinstance(parsed, list) and parsed else [None]
         return ParsedTurn(content.rstrip(), [tool_call(i, item) for i, item in enumerate(items)])

@@ -8,6 +8,7 @@ between sampling and training.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from meshrl.inference.completion import Completion
 from meshrl.rollouts.chat import ChatSettings, make_chat
 from meshrl.tasks.base import Ending, Episodic, Prompt, Score, Scoring, Stopping, Task, ToolResult, task_tools
 from meshrl.traces.schema import TokenSpan, TraceExample
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -270,9 +273,17 @@ class EpisodeFormat:
         return ids
 
     def score(self, rollout: Rollout) -> None:
-        if isinstance(self.task, Scoring):
-            ending = Ending(rollout.stop_condition, rollout.finish_reason)
-            rollout.score = self.task.score(rollout.prompt, rollout.messages, ending)
-            rollout.reward = float(rollout.score.reward)
-        else:
-            rollout.reward = float(self.task.reward(rollout.prompt, rollout.messages))
+        """The task's verdict on the episode. A task whose scoring raises gives this episode reward 0
+        and the metric `score_errors` (logged with its traceback), never a failed generator: what
+        it scored was the policy's, which the policy can shape to break a scorer."""
+        try:
+            if isinstance(self.task, Scoring):
+                ending = Ending(rollout.stop_condition, rollout.finish_reason)
+                rollout.score = self.task.score(rollout.prompt, rollout.messages, ending)
+                rollout.reward = float(rollout.score.reward)
+            else:
+                rollout.reward = float(self.task.reward(rollout.prompt, rollout.messages))
+        except Exception:
+            log.exception("scoring episode %s of prompt %s raised: reward 0", rollout.episode_id,
+                          rollout.prompt.prompt_id)  # fmt: skip
+            rollout.score, rollout.reward = Score(0.0, {}, {"score_errors": 1.0}), 0.0

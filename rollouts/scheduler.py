@@ -30,7 +30,7 @@ import torch
 
 from meshrl.inference.completion import Completion, request_seeds
 from meshrl.rollouts.episodes import EpisodeFormat, Rollout
-from meshrl.tasks.base import Prompt
+from meshrl.tasks.base import Episodic, Prompt
 
 
 @dataclass
@@ -200,7 +200,10 @@ class EpisodeScheduler:
                 while True:
                     completion = await self._turn(seq)
                     calls = self.format.add_turn(rollout, completion)
-                    if calls:
+                    if calls and isinstance(self.format.task, Episodic):  # one workspace: in message order
+                        results = [await self._tool(rollout, call) for call in calls]
+                        seq.extend(self.format.add_tool_results(rollout, calls, results))
+                    elif calls:
                         results = await asyncio.gather(*(self._tool(rollout, call) for call in calls))
                         seq.extend(self.format.add_tool_results(rollout, calls, list(results)))
                     # off the loop: a task's stop check may block (verifiers' run on their own loop)

@@ -3,7 +3,8 @@
 What the program sees: a read-only root holding `/usr` (and the interpreter's prefix) read-only, a
 fresh `/proc` of its own PID namespace, a read-only minimal `/dev`, and two writable directories:
 `/work` (its working directory, empty; the program is read-only at `/run/meshrl/main.py`) and
-`/dev/shm`, which `/tmp` links to. Nothing else of the host — no `/home`, `/root`, `/etc`, run
+`/dev/shm`, which `/tmp` links to. Files of the root a call is made to hide (`hidden`: a
+repository task's original module and tests) cannot be read (/dev/null is bound over each, on a nodev mount). Nothing else of the host — no `/home`, `/root`, `/etc`, run
 directory or key files — and no network interface but loopback. As root each call runs as its own
 unprivileged uid, so its process limit is its own; the namespace's processes die with the call
 (`--die-with-parent`, and the PID namespace ends with its init).
@@ -11,7 +12,8 @@ unprivileged uid, so its process limit is its own; the namespace's processes die
 As root the two directories are two of one tmpfs that the host mounts for the call (`CallFiles`)
 with `workdir_mb` of bytes and `files` inodes: bwrap 0.8 cannot limit the inodes of its own tmpfs,
 and each costs about 1 KiB of kernel memory that no limit of the call's processes counts. Without
-root they are bwrap's tmpfs of `workdir_mb` each, and the number of files is unbounded.
+root they are bwrap's tmpfs of `workdir_mb` each, and the number of files is unbounded. A workspace's
+calls (as root) see its own tmpfs at both, so its `/tmp` is bounded with its files.
 
 Memory a call could pin beyond its processes' rlimits and its tmpfs has no way in: the root is
 read-only, user namespaces are disabled (no tmpfs mounted in a nested one), and `seccomp_filter`
@@ -161,14 +163,18 @@ class BwrapSandbox(ProcessSandbox):
 
     @contextlib.contextmanager
     def launch(
-        self, program: Path, uid: int | None, workspace: Workspace | None
+        self, program: Path, uid: int | None, workspace: Workspace | None, hidden: tuple[Path, ...]
     ) -> Iterator[tuple[list[str], tuple[int, ...]]]:
         """bwrap reads the filter from a pipe of its own (a shared descriptor's offset would race); as
         root the call's tmpfs (`CallFiles`) is mounted while the block lasts. A workspace's directory is
         the call's `/work`, with a `/dev/shm` of its own."""
         with contextlib.ExitStack() as cleanup:
             tmpfs = ["--size", str(self.config.workdir_mb << 20), "--tmpfs"]
-            if workspace is not None:
+            shm = workspace.directory.parent / "shm" if workspace is not None else None
+            if workspace is not None and self.host_tmpfs and workspace.uid is not None and shm.is_dir():
+                # the workspace's own tmpfs (bytes and inodes bounded) holds its /dev/shm (/tmp) too
+                writable = ["--bind", str(shm), "/dev/shm", "--bind", str(workspace.directory), "/work"]
+            elif workspace is not None:
                 writable = [*tmpfs, "/dev/shm", "--bind", str(workspace.directory), "/work"]
             elif uid is None or not self.host_tmpfs:
                 writable = [*tmpfs, "/dev/shm", *tmpfs, "/work"]
@@ -179,7 +185,7 @@ class BwrapSandbox(ProcessSandbox):
             cleanup.callback(os.close, read)
             with open(write, "wb") as pipe:  # far below a pipe's 64 KiB buffer: never blocks
                 pipe.write(self.filter)
-            yield self._argv(program, read, writable), (read,)
+            yield self._argv(program, read, writable, hidden), (read,)
 
     @contextlib.contextmanager
     def _workspace_files(self, uid: int | None) -> Iterator[Path]:
@@ -201,13 +207,15 @@ class BwrapSandbox(ProcessSandbox):
                 return "files"
         return limit
 
-    def _argv(self, program: Path, seccomp_fd: int, writable: list[str]) -> list[str]:
+    def _argv(self, program: Path, seccomp_fd: int, writable: list[str], hidden: tuple[Path, ...]) -> list[str]:
         argv = [self.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
                 "--new-session", "--cap-drop", "ALL", "--hostname", "sandbox", "--clearenv"]  # fmt: skip
         for key, value in ENV.items():
             argv += ["--setenv", key, value]
         for path in self.binds:
             argv += ["--ro-bind", path, path]
+        for path in hidden:  # an answer key the call must not read (a task's original module)
+            argv += ["--ro-bind", "/dev/null", str(path)]
         for name in _MERGED:
             host = Path("/") / name
             if host.is_symlink():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from pathlib import Path
 from typing import Any
 
 from meshrl.configs.schema import SandboxConfig
@@ -30,7 +31,9 @@ class ContainerSandbox(Sandbox):
         self.docker = docker
         super().__init__(config)
 
-    def _run(self, slot: int, code: str, workspace: object) -> Run:  # no workspaces: `workspace` is None
+    def _run(self, slot: int, code: str, workspace: object, hidden: tuple[Path, ...]) -> Run:  # no workspaces
+        if hidden:  # the image has files of its own: the host's are not what the call could read
+            raise SandboxUnavailable("sandbox.backend 'docker' cannot hide files from a call (use 'bwrap')")
         c, mb = self.config, 1 << 20
         ulimit = self.docker.types.Ulimit
         with ProgramFile(code, None) as program:

@@ -25,7 +25,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,8 +98,11 @@ class Sandbox:
         if run.stdout.strip() != "42":
             raise SandboxUnavailable(f"sandbox.backend {config.backend!r}: a probe program failed: {run.report()}")
 
-    def run_python(self, code: str, workspace: Workspace | None = None) -> Run:
-        """Run `code` as a program (in `workspace`, when given); blocks while `pool_size` calls run."""
+    def run_python(self, code: str, workspace: Workspace | None = None, hidden: Sequence[Path] = ()) -> Run:
+        """Run `code` as a program (in `workspace`, when given); blocks while `pool_size` calls run.
+        `hidden` (a workspace's call: the workspace's): host files the call cannot read, such as a
+        task's answer key in the interpreter's library (bwrap; `none` isolates nothing)."""
+        hidden = tuple(workspace.hidden if workspace is not None else hidden)
         with self._free:
             while not self._slots and not self._closed:
                 self._free.wait()
@@ -108,11 +111,11 @@ class Sandbox:
             slot = self._slots.pop()
         try:
             if workspace is None:
-                return self._run(slot, code, None)
+                return self._run(slot, code, None, hidden)
             with workspace.lock:  # one call at a time: a call's end kills whatever else runs as its uid
                 if workspace.closed:
                     raise SandboxUnavailable("the workspace is closed")
-                return self._run(slot, code, workspace)
+                return self._run(slot, code, workspace, hidden)
         finally:
             with self._free:
                 self._live.pop(slot, None)
@@ -136,11 +139,11 @@ class Sandbox:
         if closed:
             kill()
 
-    def workspace(self, files: dict[str, str]) -> Workspace:
-        """A new workspace holding `files` (relative path -> text)."""
+    def workspace(self, files: dict[str, str], hidden: Sequence[Path] = ()) -> Workspace:
+        """A new workspace holding `files` (relative path -> text); its calls cannot read `hidden`."""
         raise SandboxUnavailable(f"sandbox.backend {self.config.backend!r} has no workspaces (use 'bwrap')")
 
-    def _run(self, slot: int, code: str, workspace: Workspace | None) -> Run:
+    def _run(self, slot: int, code: str, workspace: Workspace | None, hidden: tuple[Path, ...]) -> Run:
         raise NotImplementedError
 
 
@@ -149,8 +152,10 @@ class Workspace:
     its whole life, so its files keep one owner and its calls' processes are its own; `close()` (which
     waits for a running call) kills what still runs as that uid, removes the files and frees the uid."""
 
-    def __init__(self, directory: Path, uid: int | None, release: Callable[[], None]) -> None:
-        self.directory, self.uid, self._release = directory, uid, release
+    def __init__(
+        self, directory: Path, uid: int | None, release: Callable[[], None], hidden: Sequence[Path] = ()
+    ) -> None:
+        self.directory, self.uid, self._release, self.hidden = directory, uid, release, tuple(hidden)
         self.lock = threading.Lock()
         self.closed = False
         self.last_used = time.monotonic()
@@ -189,12 +194,13 @@ class ProcessSandbox(Sandbox):
 
     @contextlib.contextmanager
     def launch(
-        self, program: Path, uid: int | None, workspace: Workspace | None
+        self, program: Path, uid: int | None, workspace: Workspace | None, hidden: tuple[Path, ...]
     ) -> Iterator[tuple[list[str], tuple[int, ...]]]:
-        """The call's argv and the descriptors it inherits; the block lasts until its processes are gone."""
+        """The call's argv and the descriptors it inherits; the block lasts until its processes are gone.
+        A plain process hides nothing (`sandbox.backend = "none"` isolates nothing, loudly)."""
         yield self.command(program), ()
 
-    def workspace(self, files: dict[str, str]) -> Workspace:
+    def workspace(self, files: dict[str, str], hidden: Sequence[Path] = ()) -> Workspace:
         """As root: a uid leased for the workspace's life and a directory (`_workspace_files`) it owns."""
         stack = contextlib.ExitStack()
         try:
@@ -204,7 +210,7 @@ class ProcessSandbox(Sandbox):
         except BaseException:
             stack.close()
             raise
-        return Workspace(directory, uid, stack.close)
+        return Workspace(directory, uid, stack.close, hidden)
 
     @contextlib.contextmanager
     def _workspace_files(self, uid: int | None) -> Iterator[Path]:
@@ -256,9 +262,14 @@ class ProcessSandbox(Sandbox):
                 os.close(lease)
         raise SandboxUnavailable(f"every sandbox uid {UID_BASE}..{UID_BASE + UIDS - 1} is in use")
 
-    def _run(self, slot: int, code: str, workspace: Workspace | None) -> Run:
+    def _run(self, slot: int, code: str, workspace: Workspace | None, hidden: tuple[Path, ...]) -> Run:
         lease = self._uid() if workspace is None else contextlib.nullcontext(workspace.uid)
-        with lease as uid, ProgramFile(code, uid) as program, self.launch(program.path, uid, workspace) as (argv, fds):
+        launch = self.launch
+        with (
+            lease as uid,
+            ProgramFile(code, uid) as program,
+            launch(program.path, uid, workspace, hidden) as (argv, fds),
+        ):
             start = time.monotonic()
             process = subprocess.Popen(
                 self._limits(uid) + argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,

@@ -26,13 +26,11 @@ are `"train"` (131); `"all"` is every problem. Evaluation always takes the held-
 
 from __future__ import annotations
 
-import ast
 import builtins
 import copy
 import random
 import re
 import sys
-import threading
 import time
 import types
 from collections.abc import Callable
@@ -42,6 +40,7 @@ from typing import Any
 from meshrl.configs.schema import SandboxConfig
 from meshrl.sandbox import Run, make_sandbox
 from meshrl.tasks.base import Ending, Prompt, Score, ToolResult
+from meshrl.tasks.parsing import literal
 
 RUN_PYTHON = "run_python"
 SYSTEM = (
@@ -98,18 +97,6 @@ def main(source, entry, calls):
     results = [result(candidate, call) for call in calls]
     print("\\n" + RESULTS + repr(results))  # on a line of its own, whatever the answer printed
 """
-
-# CPython 3.11's AST conversion keeps one recursion counter per interpreter: scorer threads parsing
-# at once failed with "SystemError: AST constructor recursion depth mismatch" (once, in a fresh-clone
-# CI run of the 164 canonical solutions on 4 threads). The host's parses of literals take turns.
-_PARSING = threading.Lock()
-
-
-def literal(text: str) -> Any:
-    """`ast.literal_eval(text)`, one thread at a time."""
-    with _PARSING:
-        return ast.literal_eval(text)
-
 
 FENCED = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
 

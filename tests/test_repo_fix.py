@@ -13,9 +13,10 @@ import pytest
 
 from meshrl.tasks.base import Ending, Episodic
 from meshrl.tasks.repo import tools
-from meshrl.tasks.repo.build import load_source, run_tests
+from meshrl.tasks.repo.build import load_source
 from meshrl.tasks.repo.demos import solution_session, unique_context
 from meshrl.tasks.repo.mutations import OPERATORS, apply, sites
+from meshrl.tasks.repo.runner import run_tests
 from meshrl.tasks.repo.scoring import new_capabilities
 from meshrl.tasks.repo.task import RepoFixTask
 from meshrl.traces import TraceExample
@@ -51,15 +52,27 @@ def assistant(name: str, **arguments: Any) -> dict[str, Any]:
 def as_message(turn: Any) -> dict[str, Any]:
     """A trace turn as the chat message an episode holds (OpenAI-style tool calls)."""
     message = {"role": turn.role, "content": turn.content}
+    if turn.tool_call_id is not None:
+        message["tool_call_id"] = turn.tool_call_id
     if turn.tool_calls:
         message["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name,
                                   "arguments": c.arguments}} for c in turn.tool_calls]  # fmt: skip
     return message
 
 
+def answered(*turns: dict[str, Any]) -> list[dict[str, Any]]:
+    """The turns with a tool turn answering each assistant call, as an episode that ran them holds."""
+    out = []
+    for turn in turns:
+        out.append(turn)
+        if turn.get("role") == "assistant":
+            out += [{"role": "tool", "content": "", "tool_call_id": c["id"]} for c in turn.get("tool_calls") or []]
+    return out
+
+
 def score(task: RepoFixTask, task_id: str, *turns: dict[str, Any]):
     prompt = task.prompt(task_id)
-    messages = [*prompt.messages, *turns, {"role": "assistant", "content": "Done."}]
+    messages = [*prompt.messages, *answered(*turns), {"role": "assistant", "content": "Done."}]
     return task.score(prompt, messages, Ending("agent_completed", "stop"))
 
 
@@ -89,9 +102,10 @@ def test_a_kept_bug_fails_its_tests_and_the_original_passes_them(task):
         buggy = run_tests(task.sandbox, source.files(task.buggy_code(repo)), repo.module)
         original = run_tests(task.sandbox, source.files(), repo.module)
         assert buggy.module_file == original.module_file == f"/work/{repo.module}.py"
-        assert all(original.outcomes[t] == "pass" for t in repo.fail_to_pass + repo.pass_to_pass)
-        assert all(buggy.load_error or buggy.outcomes[t] != "pass" for t in repo.fail_to_pass)
-        assert all(buggy.outcomes[t] == "pass" for t in repo.pass_to_pass)
+        expected = task.expected[repo.module]
+        assert all(original.tests[t] == ("pass", expected[t]) for t in repo.fail_to_pass + repo.pass_to_pass)
+        assert all(buggy.load_error or buggy.outcome(t) != "pass" for t in repo.fail_to_pass)
+        assert all(buggy.outcome(t) == "pass" for t in repo.pass_to_pass)
 
 
 def test_the_build_is_cached_and_the_same_from_the_cache(task, cache):
@@ -268,7 +282,8 @@ def test_a_fix_scores_1_and_each_cheat_scores_0(task):
         "unittest patched from the module": [append(task, task_id, "import unittest\nunittest.TestCase.run = "
                                                     "lambda self, result=None: None")],
         "the process ended from the module": [append(task, task_id, "import os\nos._exit(0)")],
-        "a forged report printed": [append(task, task_id, 'print("#meshrl-tests 0 {\\"outcomes\\": {}}")')],
+        "a forged report printed": [append(task, task_id, 'print("#meshrl-tests {\\"tests\\": {}, '
+                                                          '\\"load_error\\": null, \\"module_file\\": null}")')],
         "the runner reached through getattr": [append(task, task_id, "getattr(__builtins__, 'print')('x')")],
         "the runner's frames walked": [append(task, task_id, "(lambda: 0).__globals__")],
         "the module replaced by a link": [assistant("Bash", command=f"cp {module}.py /tmp/m.py && "

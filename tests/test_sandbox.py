@@ -140,7 +140,7 @@ def test_a_calls_tmpfs_is_mounted_on_the_host_for_the_call_only():
     from the host when the call is, killed at the wall time or by close()."""
     box = make_sandbox(SandboxConfig(**{**LIMITS, "wall_time_s": 0.5}))
     uids, launch = [], box.launch
-    box.launch = lambda program, uid, workspace: uids.append(uid) or launch(program, uid, workspace)
+    box.launch = lambda program, uid, workspace, hidden: uids.append(uid) or launch(program, uid, workspace, hidden)
     run = box.run_python("import time\nprint(open('/proc/self/mountinfo').read(), flush=True)\ntime.sleep(60)")
     assert run.limit == "wall_time", run.report()
     mounts = {line.split()[4]: line.split() for line in run.stdout.splitlines() if line}
@@ -336,12 +336,12 @@ def test_calls_run_at_once_up_to_the_pool_size_and_close_kills_the_rest():
     running, most, lock = [0], [0], threading.Lock()
     inner = box._run
 
-    def counted(slot: int, code: str, workspace):
+    def counted(slot: int, code: str, workspace, hidden):
         with lock:
             running[0] += 1
             most[0] = max(most[0], running[0])
         try:
-            return inner(slot, code, workspace)
+            return inner(slot, code, workspace, hidden)
         finally:
             with lock:
                 running[0] -= 1

@@ -36,6 +36,20 @@ def test_hermes_reads_qwen_blocks_and_the_tiny_form():
     assert parse_tool_calls("plain answer", "hermes") == ("plain answer", [])
 
 
+@pytest.mark.parametrize("parser", ["hermes", "llama3", "mistral"])
+def test_a_call_nested_past_the_limit_is_malformed_in_every_parser(parser):
+    """1,000 brackets made the decoder raise RecursionError on the host (the episode scheduler died);
+    a call whose arguments nest past MAX_NESTING is malformed, answered with a tool error."""
+    deep, shallow = "[" * 1000 + "]" * 1000, "[" * 8 + "]" * 8
+    for arguments, name in ((deep, MALFORMED), ('{"a": ' + "[" * 40 + "]" * 40 + "}", MALFORMED),
+                            ('{"a": ' + shallow + "}", "f")):  # fmt: skip
+        call = f'{{"name": "f", "arguments": {arguments}}}'
+        text = {"hermes": f"<tool_call>{call}</tool_call>", "llama3": call.replace('"arguments"', '"parameters"'),
+                "mistral": f"[TOOL_CALLS][{call}]"}[parser]  # fmt: skip
+        _, calls = parse_tool_calls(text, parser)
+        assert [c["function"]["name"] for c in calls] == [name], (parser, arguments[:20])
+
+
 @pytest.mark.parametrize(
     "text, expected",
     [

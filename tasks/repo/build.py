@@ -4,8 +4,10 @@ A source is a pure-Python module of the standard library with its own `test_<mod
 interpreter meshrl runs on ships both; nothing is fetched). Each task is that module with one
 injected bug (`mutations`), kept only when some tests that pass on the original fail on it:
 those are its FAIL_TO_PASS tests, the ones that pass on both its PASS_TO_PASS (SWE-bench's names).
-The tests run in the sandbox, one program per run (`run_tests`). Building is deterministic given
-the seed and the sources, and the result is cached as one JSON file keyed by both.
+The tests run in the sandbox, one program per run (`runner.run_tests`). The original runs twice:
+what each test observed there (its digest) is the expected observation the reward compares with,
+and a test that observes differently from one run to the next is in neither list. Building is
+deterministic given the seed and the sources, and the result is cached as one JSON file keyed by both.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import hashlib
 import json
 import os
 import random
-import secrets
 import sysconfig
 import tempfile
 import time
@@ -24,77 +25,9 @@ from pathlib import Path
 
 from meshrl.sandbox import Sandbox
 from meshrl.tasks.repo.mutations import Mutation, apply, sites
+from meshrl.tasks.repo.runner import run_tests
 
-BUILD_VERSION = 3  # bumped whenever what a build makes changes: older caches are not read
-RESULTS = "#meshrl-tests "
-# Runs in the sandbox: writes the repository's files, runs every test of the test module one by one
-# (their output discarded: only the outcomes come back), and prints the outcomes on one line after
-# a nonce the code under test never sees (the scorer refuses code that could look for it: `scoring`).
-RUNNER = """
-import io, json, os, sys, unittest
-
-
-def tests_of(suite):
-    for test in suite:
-        if isinstance(test, unittest.TestSuite):
-            yield from tests_of(test)
-        else:
-            yield test
-
-
-def outcome(result):
-    if result.errors or result.failures or result.unexpectedSuccesses:
-        return "fail"
-    return "skip" if result.skipped else "pass"
-
-
-def main(files, test_module, module, nonce):
-    for name, text in files.items():
-        os.makedirs(os.path.dirname(name) or ".", exist_ok=True)
-        with open(name, "w") as out:
-            out.write(text)
-    sys.path.insert(0, os.getcwd())
-    report = {"outcomes": {}, "load_error": None, "module_file": None}
-    real_out, real_err = sys.stdout, sys.stderr
-    sys.stdout = sys.stderr = io.StringIO()
-    try:
-        suite = unittest.defaultTestLoader.loadTestsFromName(test_module)
-        for test in tests_of(suite):
-            result = unittest.TestResult()
-            test.run(result)
-            report["outcomes"][test.id()] = outcome(result)
-            sys.stdout.seek(0)
-            sys.stdout.truncate()
-    except BaseException as error:
-        report["load_error"] = type(error).__name__
-    finally:
-        sys.stdout, sys.stderr = real_out, real_err
-    report["module_file"] = getattr(sys.modules.get(module), "__file__", None)
-    print("\\n" + RESULTS + nonce + " " + json.dumps(report), flush=True)
-"""
-
-
-@dataclass(frozen=True)
-class TestRun:
-    """A run of a repository's tests: each test's outcome (`pass`, `fail`, `skip`), or None when the
-    run gave no report (a limit, a crash); `load_error` when the test module did not import."""
-
-    outcomes: dict[str, str] | None
-    load_error: str | None = None
-    module_file: str | None = None
-    limit: str | None = None
-
-
-def run_tests(sandbox: Sandbox, files: dict[str, str], module: str) -> TestRun:
-    """Run `tests/test_<module>.py` against `files` in a fresh sandbox call."""
-    nonce = secrets.token_hex(16)
-    program = f"RESULTS = {RESULTS!r}\n" + RUNNER + f"\nmain({files!r}, 'tests.test_{module}', {module!r}, {nonce!r})\n"
-    run = sandbox.run_python(program)
-    lines = [line for line in run.stdout.split("\n") if line.startswith(RESULTS + nonce + " ")]
-    if run.limit is not None or len(lines) != 1:
-        return TestRun(None, limit=run.limit or f"exit status {run.exit_code}")
-    report = json.loads(lines[0][len(RESULTS) + len(nonce) + 1 :])
-    return TestRun(report["outcomes"], report["load_error"], report["module_file"])
+BUILD_VERSION = 4  # bumped whenever what a build makes changes: older caches are not read
 
 
 @dataclass(frozen=True)
@@ -145,6 +78,19 @@ def load_source(module: str) -> Source:
     return Source(module, code.read_text(), tests.read_text())
 
 
+def answer_key(modules: list[str], python: str) -> list[Path]:
+    """Every copy of `modules` and of their tests (sources and bytecode) in the Python libraries a
+    sandbox running `python` sees (its prefix, and /usr's): 7 of the 11 default modules were
+    byte-identical in /usr/lib/python3.11, so copying one back was a fix."""
+    roots = {Path("/usr"), Path(python).resolve().parent.parent}
+    libraries = sorted({lib for root in roots for pattern in ("lib/python3*", "local/lib/python3*")
+                        for lib in root.glob(pattern) if lib.is_dir()})  # fmt: skip
+    patterns = [p for m in modules for p in (f"{m}.py", f"__pycache__/{m}.*.pyc", f"test/test_{m}.py",
+                                             f"test/__pycache__/test_{m}.*.pyc")]  # fmt: skip
+    return sorted({path for lib in libraries for p in patterns for path in lib.glob(p)
+                   if path.is_file() and not path.is_symlink()})  # fmt: skip
+
+
 @dataclass
 class BuildStats:
     """What a module's build tried and kept (reported in the guide)."""
@@ -166,20 +112,42 @@ def task_id(module: str, mutation: Mutation) -> str:
     return f"{module}-L{mutation.line}-{mutation.operator}-{digest}"
 
 
+@dataclass
+class Build:
+    """The sources, their tasks and build statistics, and per module what each stable passing test
+    observes on the original (test id -> digest): the expected observations the reward compares with."""
+
+    sources: dict[str, Source]
+    tasks: list[RepoTask]
+    stats: list[BuildStats]
+    expected: dict[str, dict[str, str]]
+
+
+def expected_observations(sandbox: Sandbox, source: Source) -> dict[str, str]:
+    """Test id -> digest of every test that passes on the original twice with the same observations;
+    a clear error when the module's own tests do not run here (or run another copy of it)."""
+    runs = [run_tests(sandbox, source.files(), source.module) for _ in range(2)]
+    where = f"/work/{source.module}.py"
+    for run in runs:
+        if run.tests is None or run.load_error or run.module_file != where:
+            raise ValueError(
+                f"task.kwargs.modules: {source.module!r}'s own tests do not run here (load error "
+                f"{run.load_error}, {run.error or 'a report'}, module imported from {run.module_file}, not {where})"
+            )
+    first, second = runs
+    return {test: digest for test, (outcome, digest) in sorted(first.tests.items())
+            if outcome == "pass" and second.tests.get(test) == (outcome, digest)}  # fmt: skip
+
+
 def build_module(
     sandbox: Sandbox, source: Source, seed: int, tries: int, keep: int
-) -> tuple[list[RepoTask], BuildStats]:
+) -> tuple[list[RepoTask], BuildStats, dict[str, str]]:
     """Up to `keep` tasks of one module from at most `tries` mutations drawn with `seed` (`tried`
-    counts those whose tests ran: a batch at a time, until `keep` are kept)."""
+    counts those whose tests ran: a batch at a time, until `keep` are kept), and the module's
+    expected observations."""
     stats = BuildStats(source.module)
-    original = run_tests(sandbox, source.files(), source.module)
-    expected = f"/work/{source.module}.py"
-    if original.outcomes is None or original.load_error or original.module_file != expected:
-        raise ValueError(
-            f"task.kwargs.modules: {source.module!r}'s own tests do not run here (load error "
-            f"{original.load_error}, limit {original.limit}, module imported from {original.module_file}, not {expected})"
-        )
-    passing = sorted(t for t, o in original.outcomes.items() if o == "pass")
+    expected = expected_observations(sandbox, source)
+    passing = list(expected)
     stats.tests = len(passing)
     candidates = sites(source.code)
     stats.sites = len(candidates)
@@ -195,10 +163,10 @@ def build_module(
             runs = pool.map(lambda m: run_tests(sandbox, source.files(m.source), source.module), chunk)
             for mutation, run in zip(chunk, runs):
                 stats.tried += 1
-                if run.outcomes is None:
+                if run.tests is None:
                     stats.no_report += 1
                     continue
-                broken = tuple(t for t in passing if run.load_error or run.outcomes.get(t) != "pass")
+                broken = tuple(t for t in passing if run.load_error or run.outcome(t) != "pass")
                 if not broken:
                     stats.no_test_broke += 1
                 elif len(tasks) < keep:
@@ -207,12 +175,10 @@ def build_module(
                                           mutation.line, mutation.after, mutation.before, broken, kept))  # fmt: skip
                     stats.by_operator[mutation.operator] = stats.by_operator.get(mutation.operator, 0) + 1
     stats.kept = len(tasks)
-    return tasks, stats
+    return tasks, stats, expected
 
 
-def build_tasks(
-    sandbox: Sandbox, modules: list[str], seed: int, tries: int, keep: int, cache_dir: str | Path
-) -> tuple[dict[str, Source], list[RepoTask], list[BuildStats]]:
+def build_tasks(sandbox: Sandbox, modules: list[str], seed: int, tries: int, keep: int, cache_dir: str | Path) -> Build:
     """Every module's tasks, from the cache when a build of the same sources and settings (the
     sandbox's time limits among them: they decide which mutations report) is there.
     The cache file is written whole (a temporary file renamed over it), so concurrent builders agree."""
@@ -235,11 +201,11 @@ def build_tasks(
         data = json.loads(cache.read_text())
         tasks = [RepoTask(**{**t, "fail_to_pass": tuple(t["fail_to_pass"]), "pass_to_pass": tuple(t["pass_to_pass"])})
                  for t in data["tasks"]]  # fmt: skip
-        return sources, tasks, [BuildStats(**s) for s in data["stats"]]
-    tasks, stats = [], []
+        return Build(sources, tasks, [BuildStats(**s) for s in data["stats"]], data["expected"])
+    tasks, stats, expected = [], [], {}
     for source in sources.values():
         start = time.perf_counter()
-        built, module_stats = build_module(sandbox, source, seed, tries, keep)
+        built, module_stats, expected[source.module] = build_module(sandbox, source, seed, tries, keep)
         tasks += built
         stats.append(module_stats)
         print(f"repository tasks: {source.module}: {module_stats.kept} kept of {module_stats.tried} mutations tried "
@@ -247,8 +213,8 @@ def build_tasks(
     cache.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{cache.name}.", dir=cache.parent)
     with os.fdopen(fd, "w") as out:
-        json.dump({"tasks": [asdict(t) for t in tasks], "stats": [asdict(s) for s in stats]}, out)
+        json.dump({"tasks": [asdict(t) for t in tasks], "stats": [asdict(s) for s in stats], "expected": expected}, out)
         out.flush()
         os.fsync(out.fileno())
     os.replace(tmp, cache)
-    return sources, tasks, stats
+    return Build(sources, tasks, stats, expected)

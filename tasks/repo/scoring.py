@@ -1,69 +1,105 @@
-"""The hidden-test reward of a repository task, which the policy can neither see nor reach.
+"""The hidden-test reward of a repository task: a verdict the code under test cannot reach.
 
-1. The episode's state is rebuilt, not trusted: its calls of the tools that write (Edit, Write,
-   Bash) run again, in order, in a fresh workspace holding the buggy repository. The same scoring
-   serves an outside worker's episode, whose workspace the controller never had.
+1. The episode's state is rebuilt, not trusted: the calls of the tools that write (Edit, Write,
+   Bash) that the episode ran (those its tool turns answered) run again, in order, in a fresh
+   workspace holding the buggy repository. The same scoring serves an outside worker's episode.
 2. Only the module under test is taken from that state (read without following links, at most
-   `MAX_MODULE_BYTES`). Test files, new files (a `unittest.py`, a `sitecustomize.py`, a
-   `conftest.py`) and everything else the policy wrote are left behind: the pristine tests and
-   repository are used.
-3. The module may not use what it would need to reach the test runner: an import, or a name
-   such as `sys.modules`, `open`, `getattr`, `__subclasses__`, `_getframe`, that the buggy module
-   did not already use (`new_capabilities`). A fix that does is refused, with reward 0.
-4. The tests run in a fresh sandbox call; their report follows a nonce the module's code cannot
-   read (3). Reward 1 when every FAIL_TO_PASS test passes and every PASS_TO_PASS test still does.
+   `MAX_MODULE_BYTES`), as the bytes Python will run: a coding cookie other than UTF-8, bytes
+   that are not UTF-8, or a NUL byte refuse it (a cookie made the scan read other text than Python
+   ran). Everything else the policy wrote is left behind: the pristine tests and repository are used.
+3. The tests run in a fresh sandbox call (`runner`), which reports what each test observed (a
+   digest of the values its assertions were given, canonicalised without calling their methods).
+   The host decides: reward 1 when every FAIL_TO_PASS and PASS_TO_PASS test passed observing
+   exactly what it observed on the original module (`solved`). The expected digests were recorded
+   at build time and never enter the sandbox; the original module, its bytecode and its tests are
+   hidden there (`answer_key`). A report the host cannot read as data of its shape is a 0.
+4. Defence in depth, not the guarantee: the module may not use more of what reaches the test
+   runner's process (imports, names such as `sys`, `getattr`, `_getframe`, any dunder attribute,
+   `match` statements, strings naming them) than the buggy and the original module did together
+   (`new_capabilities`: counts, so one more `getattr` call than there was is refused).
 """
 
 from __future__ import annotations
 
 import ast
+import io
 import os
+import re
 import stat
+import tokenize
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
+
+from meshrl.tasks.parsing import parse
+from meshrl.tasks.repo.runner import TestRun
 
 MAX_MODULE_BYTES = 1 << 20
 # Names that reach the interpreter, the process or the files rather than the module's own data.
 SENSITIVE = frozenset({
     "open", "exec", "eval", "compile", "__import__", "globals", "locals", "vars", "getattr", "setattr", "delattr",
     "breakpoint", "input", "exit", "quit", "help", "memoryview", "modules", "_getframe", "settrace", "setprofile",
-    "f_back", "f_globals", "f_locals", "f_code", "f_builtins", "gi_frame", "cr_frame", "tb_frame", "tb_next",
-    "__globals__", "__builtins__", "__subclasses__", "__code__", "__dict__", "__class__", "__bases__", "__base__",
-    "__mro__", "__loader__", "__spec__", "__reduce__", "__reduce_ex__", "__getattribute__", "__closure__",
-    "_exit", "system", "popen", "kill", "abort", "fork", "stdout", "stderr", "__stdout__", "__stderr__",
-    "__main__", "sys", "os", "builtins", "importlib", "ctypes", "gc", "inspect", "unittest", "atexit", "signal",
+    "f_back", "f_globals", "f_locals", "f_code", "f_builtins", "gi_frame", "cr_frame", "ag_frame", "tb_frame",
+    "tb_next", "attrgetter", "methodcaller", "_exit", "system", "popen", "kill", "abort", "fork", "execv", "execve",
+    "stdout", "stderr", "sys", "os", "builtins", "importlib", "ctypes", "gc", "inspect", "unittest", "atexit",
+    "signal", "subprocess", "threading", "runpy", "traceback", "types", "operator",
 })  # fmt: skip
+_WORDS = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-def capabilities(code: str) -> set[str] | None:
-    """The imports and sensitive names `code` uses (None: it does not parse)."""
-    try:
-        tree = ast.parse(code)
-    except (SyntaxError, ValueError):
+def _sensitive(name: str) -> bool:
+    return name in SENSITIVE or (name.startswith("__") and name.endswith("__") and len(name) > 4)
+
+
+def capabilities(code: str) -> Counter[str] | None:
+    """How often `code` uses each import and sensitive name (None: it does not parse)."""
+    tree = parse(code)
+    if tree is None:
         return None
-    used = set()
+    used: Counter[str] = Counter()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            used |= {f"import {alias.name}" for alias in node.names}
+            used.update(f"import {alias.name}" for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            used |= {f"from {'.' * node.level}{node.module or ''} import {alias.name}" for alias in node.names}
-        elif isinstance(node, ast.Name) and node.id in SENSITIVE:
-            used.add(node.id)
-        elif isinstance(node, ast.Attribute) and node.attr in SENSITIVE:
-            used.add(f".{node.attr}")
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in SENSITIVE:
-            used.add(repr(node.value))
+            used.update(f"from {'.' * node.level}{node.module or ''} import {alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Name) and _sensitive(node.id):
+            used[node.id] += 1
+        elif isinstance(node, ast.Attribute) and _sensitive(node.attr):
+            used[f".{node.attr}"] += 1
+        elif isinstance(node, ast.Match):
+            used["match"] += 1
+        elif isinstance(node, ast.MatchClass):  # `case object(tb_frame=f)` reads attributes by name
+            used.update(f".{name}" for name in node.kwd_attrs)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str | bytes):
+            text = node.value if isinstance(node.value, str) else node.value.decode("latin-1")
+            used.update(repr(word) for word in _WORDS.findall(text) if _sensitive(word))
     return used
 
 
-def new_capabilities(final: str, given: str) -> list[str]:
-    """What `final` uses that `given` did not (a module that does not parse: ["syntax"])."""
-    after, before = capabilities(final), capabilities(given)
+def new_capabilities(final: str, *allowed: str) -> list[str]:
+    """What `final` uses more often than any of `allowed` did (a module that does not parse: ["syntax"])."""
+    after = capabilities(final)
     if after is None:
         return ["syntax"]
-    return sorted(after - (before or set()))
+    most: Counter[str] = Counter()
+    for code in allowed:
+        most |= capabilities(code) or Counter()  # |: the larger count of each
+    return sorted(name for name, count in after.items() if count > most[name])
 
 
-def read_module(directory: Path, name: str) -> str | None:
+def module_text(data: bytes) -> str | None:
+    """The text Python runs from `data`, when that is `data` read as UTF-8; else None (another
+    coding cookie, bytes that are not UTF-8, a NUL byte)."""
+    try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+        if encoding not in ("utf-8", "utf-8-sig") or b"\0" in data:
+            return None
+        return data.decode(encoding)
+    except (SyntaxError, UnicodeDecodeError, LookupError):
+        return None
+
+
+def read_module(directory: Path, name: str) -> bytes | None:
     """`directory/name` when it is a regular file of at most MAX_MODULE_BYTES, read without following
     a link the policy put there; else None."""
     try:
@@ -74,4 +110,26 @@ def read_module(directory: Path, name: str) -> str | None:
         info = os.fstat(f.fileno())
         if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_MODULE_BYTES:
             return None
-        return f.read(MAX_MODULE_BYTES + 1)[:MAX_MODULE_BYTES].decode("utf-8", "replace")
+        return f.read(MAX_MODULE_BYTES + 1)[:MAX_MODULE_BYTES]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """FAIL_TO_PASS tests that now pass as on the original, PASS_TO_PASS tests that no longer do."""
+
+    fixed: int
+    broken: int
+    solved: bool
+
+
+def judge(run: TestRun, fail_to_pass: tuple[str, ...], pass_to_pass: tuple[str, ...],
+          expected: dict[str, str]) -> Verdict:  # fmt: skip
+    """A test counts when it passed observing what it observed on the original (`expected`)."""
+
+    def held(test: str) -> bool:
+        got = None if run.tests is None or run.load_error else run.tests.get(test)
+        return got is not None and got == ("pass", expected.get(test))
+
+    fixed = sum(held(t) for t in fail_to_pass)
+    broken = sum(not held(t) for t in pass_to_pass)
+    return Verdict(fixed, broken, fixed == len(fail_to_pass) and broken == 0)

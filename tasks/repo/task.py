@@ -23,8 +23,9 @@ from meshrl.configs.schema import SandboxConfig
 from meshrl.sandbox import Workspace, make_sandbox
 from meshrl.tasks.base import Ending, Prompt, Score, ToolResult
 from meshrl.tasks.repo import scoring, tools
-from meshrl.tasks.repo.build import RepoTask, build_tasks, run_tests
+from meshrl.tasks.repo.build import RepoTask, answer_key, build_tasks
 from meshrl.tasks.repo.demos import solution_session, solution_steps
+from meshrl.tasks.repo.runner import run_tests
 from meshrl.traces.claude_code import ingest_claude_code
 from meshrl.traces.schema import TraceExample, Turn
 
@@ -80,16 +81,21 @@ class RepoFixTask:
         self.tools = tools.TOOLS
         config = SandboxConfig(**(sandbox or {}))
         self.sandbox = make_sandbox(config)
+        # Every call of a task, the hidden tests' too, runs where the copies of its original module and
+        # tests (and their bytecode) that the interpreter ships cannot be read: no answer key in reach.
+        # Per module: another task's module may be one this one's tests import.
+        self.answer_keys = {module: answer_key([module], config.python) for module in modules}
         # Building runs each module's tests once per mutation: a mutation that loops stops at BUILD_LIMITS.
         builder = make_sandbox(
             config.model_copy(update={k: min(getattr(config, k), v) for k, v in BUILD_LIMITS.items()})
         )
         try:
-            self.sources, built, self.build_stats = build_tasks(builder, modules, seed, tries, per_module, cache_dir)
+            build = build_tasks(builder, modules, seed, tries, per_module, cache_dir)
         finally:
             builder.close()
+        built, self.sources, self.build_stats, self.expected = build.tasks, build.sources, build.stats, build.expected
         self.tasks = {task.task_id: task for task in built}
-        self.eval_ids = [t.task_id for t in built if t.module in held_out]
+        self.eval_ids = interleaved([t for t in built if t.module in held_out])
         self.split_ids = {
             "train": [t.task_id for t in built if t.module not in held_out],
             "test": self.eval_ids,
@@ -100,6 +106,7 @@ class RepoFixTask:
                 f"task.kwargs: the {split!r} split of modules {modules} (held out: {held_out}) has no tasks"
             )
         self._workspaces: dict[str, Workspace] = {}
+        self._opening: dict[str, threading.Lock] = {}  # episode -> held while its workspace is made
         self._lock = threading.Lock()
         self._demos: dict[str, TraceExample] = {}
 
@@ -110,7 +117,8 @@ class RepoFixTask:
         return [self.prompt(rng.choice(self.split_ids), rng.getrandbits(32)) for _ in range(n)]
 
     def eval_prompts(self, rng: random.Random, n: int) -> list[Prompt]:
-        """The first `n` held-out tasks, each once: the task id is the prompt id."""
+        """The first `n` held-out tasks, each once, the held-out modules taking turns (`interleaved`):
+        the task id is the prompt id."""
         return [self.prompt(task_id) for task_id in self.eval_ids[:n]]
 
     def prompt(self, task_id: str, draw: int | None = None) -> Prompt:
@@ -149,24 +157,29 @@ class RepoFixTask:
     def episode_call(self, episode: str, prompt: Prompt, name: str, arguments: dict[str, Any]) -> ToolResult:
         """A call in the episode's workspace, made at its first call (a task this build lacks is a tool error)."""
         with self._lock:
-            workspace = self._workspaces.get(episode)
             idle = [k for k, w in self._workspaces.items() if time.monotonic() - w.last_used > self.idle_s]
             stale = [self._workspaces.pop(k) for k in idle if k != episode]
+            opening = self._opening.setdefault(episode, threading.Lock())
         for old in stale:
             old.close()
-        if workspace is None:
-            try:
-                files = self.repository(prompt.info["problem"])
-            except KeyError as error:
-                return ToolResult(f"<tool_use_error>{error.args[0]}</tool_use_error>", is_error=True)
-            workspace = self.sandbox.workspace(files)
+        with opening:  # two calls of one turn: one makes the workspace, the other waits for it
             with self._lock:
-                self._workspaces[episode] = workspace
+                workspace = self._workspaces.get(episode)
+            if workspace is None:
+                try:
+                    files = self.repository(prompt.info["problem"])
+                except KeyError as error:
+                    return ToolResult(f"<tool_use_error>{error.args[0]}</tool_use_error>", is_error=True)
+                module = self.tasks[prompt.info["problem"]].module
+                workspace = self.sandbox.workspace(files, hidden=self.answer_keys[module])
+                with self._lock:
+                    self._workspaces[episode] = workspace
         return tools.call(self.sandbox, workspace, name, arguments)
 
     def end_episode(self, episode: str) -> None:
         with self._lock:
             workspace = self._workspaces.pop(episode, None)
+            self._opening.pop(episode, None)
         if workspace is not None:
             workspace.close()
 
@@ -176,15 +189,14 @@ class RepoFixTask:
 
     # ------------------------------------------------------------------ reward
 
-    def final_module(self, task: RepoTask, messages: list[dict[str, Any]]) -> str | None:
-        """The module as the episode left it: its writing calls replayed in a fresh workspace."""
-        workspace = self.sandbox.workspace(self.repository(task.task_id))
+    def final_module(self, task: RepoTask, messages: list[dict[str, Any]]) -> bytes | None:
+        """The module as the episode left it: the writing calls its tool turns answered (a turn cut
+        at max_new_tokens ran none), replayed in order in a fresh workspace."""
+        workspace = self.sandbox.workspace(self.repository(task.task_id), hidden=self.answer_keys[task.module])
         try:
-            for message in messages:
-                for call in message.get("tool_calls") or [] if message.get("role") == "assistant" else []:
-                    name, arguments = call["function"]["name"], call["function"]["arguments"]
-                    if name in tools.WRITES:
-                        tools.call(self.sandbox, workspace, name, arguments)
+            for name, arguments in answered_calls(messages):
+                if name in tools.WRITES:
+                    tools.call(self.sandbox, workspace, name, arguments)
             return scoring.read_module(workspace.directory, f"{task.module}.py")
         finally:
             workspace.close()
@@ -197,18 +209,20 @@ class RepoFixTask:
         task = self.tasks.get(prompt.answer) if isinstance(prompt.answer, str) else None
         if task is None:  # no hidden tests (a prompt as leased to an outside worker)
             return Score(0.0, {"solved": 0.0}, metrics)
-        final = self.final_module(task, messages)
-        refused = ["missing"] if final is None else scoring.new_capabilities(final, self.buggy_code(task))
-        metrics["refused"] = float(bool(refused))
+        data = self.final_module(task, messages)
+        final = None if data is None else scoring.module_text(data)
+        original = self.sources[task.module].code
+        refused = ["unreadable"] if final is None else scoring.new_capabilities(final, self.buggy_code(task), original)
+        metrics |= {"refused": float(bool(refused)), "tests_fixed": 0.0, "tests_broken": 0.0, "no_report": 0.0}
         if refused:
-            return Score(0.0, {"solved": 0.0}, {**metrics, "tests_fixed": 0.0, "tests_broken": 0.0})
-        run = run_tests(self.sandbox, self.sources[task.module].files(final), task.module)
-        outcomes = run.outcomes or {}
-        fixed = sum(outcomes.get(t) == "pass" and not run.load_error for t in task.fail_to_pass)
-        broken = sum(outcomes.get(t) != "pass" or bool(run.load_error) for t in task.pass_to_pass)
-        solved = float(fixed == len(task.fail_to_pass) and broken == 0)
-        metrics |= {"tests_fixed": fixed / len(task.fail_to_pass), "tests_broken": float(broken)}
-        return Score(solved, {"solved": solved}, metrics)
+            return Score(0.0, {"solved": 0.0}, metrics)
+        run = run_tests(
+            self.sandbox, self.sources[task.module].files(final), task.module, self.answer_keys[task.module]
+        )
+        verdict = scoring.judge(run, task.fail_to_pass, task.pass_to_pass, self.expected[task.module])
+        metrics |= {"tests_fixed": verdict.fixed / len(task.fail_to_pass), "tests_broken": float(verdict.broken),
+                    "no_report": float(run.tests is None)}  # fmt: skip
+        return Score(float(verdict.solved), {"solved": float(verdict.solved)}, metrics)
 
     def reward(self, prompt: Prompt, messages: list[dict[str, Any]]) -> float:
         return self.score(prompt, messages, Ending("agent_completed", "stop")).reward
@@ -250,3 +264,36 @@ class RepoFixTask:
         if tool == "Bash":
             return HINTS["command_failed"]
         return None
+
+
+def answered_calls(messages: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """(name, arguments) of each assistant call that a tool turn right after it answered, in order:
+    what the episode ran. A turn cut at max_new_tokens keeps its parsed calls but ran none."""
+    out = []
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        answered = set()
+        for reply in messages[i + 1 :]:
+            if reply.get("role") != "tool":
+                break
+            answered.add(reply.get("tool_call_id"))
+        for call in message.get("tool_calls") or []:
+            function = call.get("function") if isinstance(call, dict) else None
+            if (
+                isinstance(function, dict)
+                and call.get("id") in answered
+                and isinstance(function.get("arguments"), dict)
+            ):
+                out.append((str(function.get("name")), function["arguments"]))
+    return out
+
+
+def interleaved(tasks: list[RepoTask]) -> list[str]:
+    """Task ids with the modules taking turns (each module's in build order): the first n cover
+    every module once n reaches their number."""
+    by_module: dict[str, list[str]] = {}
+    for task in tasks:
+        by_module.setdefault(task.module, []).append(task.task_id)
+    rounds = max((len(ids) for ids in by_module.values()), default=0)
+    return [ids[r] for r in range(rounds) for ids in by_module.values() if r < len(ids)]

@@ -1,0 +1,232 @@
+"""A repository's tests in the sandbox, reported as data the host judges: what each test observed.
+
+The program (`RUNNER`) writes the repository's files, wraps every `assert*`/`fail*` method of
+`unittest.TestCase` so that each outermost call records the values it was given (its `msg` left
+out) in a canonical form, runs every test one by one, and prints one line: per test, its outcome
+and the SHA-256 of its outcome and observations. Nothing in the sandbox knows what those digests
+should be: the host compares them with the digests of the same tests on the original module,
+recorded at build time (`build`). An object whose `__eq__` always agrees is canonicalised by its
+exact type and its state (its `__dict__` and slots), read without calling its methods, so it
+observes differently from the float or tuple the original returned; a forged report must carry
+the right digests, which takes the right values.
+
+The canonical form is exact (floats by `repr`) except where the assertion itself is approximate:
+the numbers given to `assertAlmostEqual`/`assertNotAlmostEqual` are rounded to its `places` (7 by
+default), so a fix that reorders a float sum still observes alike.
+
+The host reads the report as untrusted data: at most `MAX_REPORT_BYTES`, JSON of a fixed shape
+(`parse_report`); anything else is no report (`TestRun.error`), never an exception.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from meshrl.sandbox import Sandbox
+
+RESULTS = "#meshrl-tests "
+OUTCOMES = frozenset({"pass", "fail", "skip"})
+MAX_REPORT_BYTES = 1 << 20
+MAX_TESTS = 20_000
+_TEST_ID = re.compile(r"[\w.\[\]\-<>() ,=']{1,300}")
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+
+RUNNER = r'''
+import functools, hashlib, inspect, io, json, math, os, sys, types, unittest
+
+MAX_ITEMS, MAX_DEPTH, MAX_OBSERVATIONS = 2000, 10, 5000
+CALLABLES = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.BuiltinMethodType,
+             types.MethodWrapperType, types.WrapperDescriptorType, functools.partial)
+
+
+def canon(x, places=None, depth=0):
+    """A JSON-able form of `x` that calls none of its methods (exact types, state read directly)."""
+    t = type(x)
+    if x is None or t is bool:
+        return x
+    if t is int:
+        return ["int", hex(x)]
+    if t is float:
+        if places is not None and math.isfinite(x):
+            x = round(x, places) + 0.0
+        return ["float", float.__repr__(x)]
+    if t is complex:
+        return ["complex", canon(x.real, places), canon(x.imag, places)]
+    if t is str:
+        return ["str", x if len(x) <= 200 else hashlib.sha256(x.encode("utf-8", "surrogatepass")).hexdigest(), len(x)]
+    if t in (bytes, bytearray, memoryview):
+        return [t.__name__, hashlib.sha256(bytes(x)).hexdigest(), len(x)]
+    if depth >= MAX_DEPTH:
+        return ["deep", _name(t)]
+    if t in (list, tuple, range):
+        return [t.__name__, [canon(v, places, depth + 1) for v in list(x)[:MAX_ITEMS]], len(x)]
+    if t in (set, frozenset):
+        items = sorted(json.dumps(canon(v, places, depth + 1)) for v in list(x)[:MAX_ITEMS])
+        return [t.__name__, items, len(x)]
+    if t is dict:
+        items = sorted([json.dumps(canon(k, places, depth + 1)), canon(v, places, depth + 1)]
+                       for k, v in list(x.items())[:MAX_ITEMS])
+        return ["dict", items, len(x)]
+    if issubclass(t, type):
+        return ["class", _name(x)]
+    if t in CALLABLES:
+        name = getattr(x, "__qualname__", None)
+        return ["callable", name if type(name) is str else None]
+    state = []
+    try:
+        state.append(canon(object.__getattribute__(x, "__dict__"), places, depth + 1))
+    except Exception:
+        pass
+    for klass in t.__mro__:
+        for slot in klass.__dict__.get("__slots__", ()) if type(klass.__dict__.get("__slots__", ())) in (tuple, list) else ():
+            try:
+                state.append([slot, canon(object.__getattribute__(x, slot), places, depth + 1)])
+            except Exception:
+                state.append([slot, None])
+    if issubclass(t, BaseException):
+        state.append(canon(BaseException.__dict__["args"].__get__(x), places, depth + 1))
+    return ["object", _name(t), state]
+
+
+def _name(t):
+    module, name = type.__dict__["__module__"].__get__(t), type.__dict__["__qualname__"].__get__(t)
+    return [module if type(module) is str else None, name if type(name) is str else None]
+
+
+OBSERVED = {"calls": [], "depth": 0}
+
+
+def recording(name, method):
+    signature = inspect.signature(method)
+    approximate = "AlmostEqual" in name
+
+    def record(self, *args, **kwargs):
+        if OBSERVED["depth"] == 0 and len(OBSERVED["calls"]) < MAX_OBSERVATIONS:
+            try:
+                bound = signature.bind(self, *args, **kwargs).arguments
+            except TypeError:
+                bound = {"args": args, "kwargs": kwargs}
+            values = {k: v for k, v in bound.items() if k not in ("self", "msg")}
+            places = None
+            if approximate and values.get("delta") is None:
+                places = values.get("places") if type(values.get("places")) is int else 7
+            OBSERVED["calls"].append([name, canon(values, places)])
+        OBSERVED["depth"] += 1
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            OBSERVED["depth"] -= 1
+
+    return record
+
+
+for _name_ in dir(unittest.TestCase):
+    if _name_.startswith(("assert", "fail")) and inspect.isfunction(getattr(unittest.TestCase, _name_)):
+        setattr(unittest.TestCase, _name_, recording(_name_, getattr(unittest.TestCase, _name_)))
+
+
+def tests_of(suite):
+    for test in suite:
+        if isinstance(test, unittest.TestSuite):
+            yield from tests_of(test)
+        else:
+            yield test
+
+
+def outcome(result):
+    if result.errors or result.failures or result.unexpectedSuccesses:
+        return "fail"
+    return "skip" if result.skipped else "pass"
+
+
+def main(files, test_module, module):
+    for name, text in files.items():
+        os.makedirs(os.path.dirname(name) or ".", exist_ok=True)
+        with open(name, "w", encoding="utf-8") as out:
+            out.write(text)
+    sys.path.insert(0, os.getcwd())
+    report = {"tests": {}, "load_error": None, "module_file": None}
+    real_out, real_err, sink = sys.stdout, sys.stderr, io.StringIO()
+    sys.stdout = sys.stderr = sink
+    try:
+        suite = unittest.defaultTestLoader.loadTestsFromName(test_module)
+        for test in tests_of(suite):
+            OBSERVED["calls"], OBSERVED["depth"] = [], 0
+            result = unittest.TestResult()
+            test.run(result)
+            seen = outcome(result)
+            record = json.dumps([seen, OBSERVED["calls"]], sort_keys=True)
+            report["tests"][test.id()] = [seen, hashlib.sha256(record.encode("utf-8", "surrogatepass")).hexdigest()]
+            sink.seek(0)
+            sink.truncate()
+    except BaseException as error:
+        report["load_error"] = type(error).__name__[:100]
+    finally:
+        sys.stdout, sys.stderr = real_out, real_err
+    module_file = getattr(sys.modules.get(module), "__file__", None)
+    report["module_file"] = module_file[:300] if type(module_file) is str else None
+    print("\n" + RESULTS + json.dumps(report), flush=True)
+'''
+
+
+@dataclass(frozen=True)
+class TestRun:
+    """A run of a repository's tests: each test's (outcome, digest), or None when the run gave no
+    report it could be judged by (`error` says why: a limit, a crash, a malformed report)."""
+
+    tests: dict[str, tuple[str, str]] | None
+    load_error: str | None = None
+    error: str | None = None
+    module_file: str | None = None  # where the module was imported from (as the run says: a build check)
+
+    def outcome(self, test: str) -> str | None:
+        return None if self.tests is None or test not in self.tests else self.tests[test][0]
+
+
+def run_tests(sandbox: Sandbox, files: dict[str, str], module: str, hidden: Sequence[Path] = ()) -> TestRun:
+    """Run `tests/test_<module>.py` against `files` in a fresh sandbox call (`hidden` unreadable there)."""
+    program = f"RESULTS = {RESULTS!r}\n" + RUNNER + f"\nmain({files!r}, 'tests.test_{module}', {module!r})\n"
+    run = sandbox.run_python(program, hidden=hidden)
+    if run.limit is not None:
+        return TestRun(None, error=f"limit {run.limit}")
+    lines = [line for line in run.stdout.split("\n") if line.startswith(RESULTS)]
+    if len(lines) != 1:
+        return TestRun(None, error=f"{len(lines)} report lines, exit status {run.exit_code}")
+    return parse_report(lines[0][len(RESULTS) :])
+
+
+def parse_report(text: str) -> TestRun:
+    """The report line as data of the expected shape, or a `TestRun` naming why it is not: total
+    (whatever `text` holds, no exception) and bounded in size, depth and counts."""
+    if len(text) > MAX_REPORT_BYTES:
+        return TestRun(None, error="report too large")
+    try:
+        report = json.loads(text)
+    except (ValueError, RecursionError):
+        return TestRun(None, error="report not JSON")
+    if not isinstance(report, dict) or set(report) != {"tests", "load_error", "module_file"}:
+        return TestRun(None, error="report of the wrong shape")
+    tests, load_error, module_file = report["tests"], report["load_error"], report["module_file"]
+    if not isinstance(tests, dict) or len(tests) > MAX_TESTS:
+        return TestRun(None, error="report's tests of the wrong shape")
+    if load_error is not None and not (isinstance(load_error, str) and len(load_error) <= 100):
+        return TestRun(None, error="report's load error of the wrong shape")
+    if module_file is not None and not (isinstance(module_file, str) and len(module_file) <= 300):
+        return TestRun(None, error="report's module file of the wrong shape")
+    out: dict[str, tuple[str, str]] = {}
+    for test, value in tests.items():
+        if not (
+            _TEST_ID.fullmatch(test)
+            and isinstance(value, list)
+            and len(value) == 2
+            and value[0] in OUTCOMES
+            and isinstance(value[1], str)
+            and _DIGEST.fullmatch(value[1])
+        ):
+            return TestRun(None, error="report's test entry of the wrong shape")
+        out[test] = (value[0], value[1])
+    return TestRun(out, load_error, module_file=module_file)

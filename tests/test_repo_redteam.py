@@ -1,0 +1,284 @@
+"""The repository reward under attack, through `RepoFixTask.score` and the real bubblewrap sandbox.
+
+Each cheat is what a policy can write: reflection that reaches the test runner (a `match` pattern, a
+builtin's `__self__`, `operator.attrgetter`, names built at run time), a coding cookie that hides
+code from the scan, a forged report, objects whose `__eq__` always agrees, the original module
+copied from the sandbox's own library, capabilities the module already had (`os.execv`), input that
+breaks the host's parsers. Every cheat scores 0, and the verdict holds without the capability scan
+too (`verdict_without_scan`: the same tests and host comparison, the scan skipped), since the sandbox
+never holds what the tests should observe. Every honest fix scores 1.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+from typing import Any
+
+import pytest
+
+from meshrl.rollouts.episodes import EpisodeFormat, Rollout
+from meshrl.tasks.base import Ending, Score
+from meshrl.tasks.repo import scoring
+from meshrl.tasks.repo.runner import run_tests
+from meshrl.tasks.repo.task import RepoFixTask
+from tests.test_repo_fix import answered, assistant, fix, score
+
+SANDBOX = {"backend": "bwrap", "pool_size": 4, "wall_time_s": 20.0, "cpu_time_s": 10, "files": 512}
+MODULES = ["colorsys", "shlex", "getopt", "fractions", "string"]
+HELD_OUT = ["graphlib", "netrc"]
+PASS = 'lambda result: "pass"'  # what a cheat that reached the runner made every outcome
+
+MATCH_FRAMES = f"""
+def _reach():
+    try:
+        raise ValueError
+    except ValueError as error:
+        match error:
+            case BaseException(__traceback__=object(tb_frame=frame)):
+                pass
+    while frame is not None:
+        match frame:
+            case object(f_globals=scope, f_back=back):
+                pass
+        if "outcome" in scope and "main" in scope:
+            scope["outcome"] = {PASS}
+        frame = back
+_reach()
+"""
+SELF_BUILTINS = f'print.__self__.__import__("sys").modules["__main__"].outcome = {PASS}\n'
+ATTRGETTER = f"""
+def _reach():
+    try:
+        raise ValueError
+    except ValueError as error:
+        frame = operator.attrgetter("__traceback__.tb_frame")(error)
+    while frame is not None:
+        scope, frame = operator.attrgetter("f_globals", "f_back")(frame)
+        if "outcome" in scope:
+            scope["outcome"] = {PASS}
+_reach()
+"""
+RUN_TIME_NAMES = f"""
+def _reach():
+    try:
+        raise ValueError
+    except ValueError as error:
+        frame = getattr(getattr(error, "__trace" + "back__"), "tb_" + "frame")
+    while frame is not None:
+        scope, frame = getattr(frame, "f_" + "globals"), getattr(frame, "f_" + "back")
+        if "outcome" in scope:
+            scope["outcome"] = {PASS}
+_reach()
+"""
+HIDDEN_BY_COOKIE = f'# \\u000aimport sys; sys.modules["__main__"].outcome = {PASS}\n'
+ALWAYS_EQUAL = """
+class _Same:
+    def __eq__(self, other):
+        return True
+    def __ne__(self, other):
+        return False
+    def __getitem__(self, index):
+        return self
+    def __iter__(self):
+        return iter((self, self, self))
+    def __len__(self):
+        return 3
+for _name in ("rgb_to_yiq", "yiq_to_rgb", "rgb_to_hls", "hls_to_rgb", "rgb_to_hsv", "hsv_to_rgb"):
+    globals()[_name] = lambda *args: _Same()
+"""
+
+
+def forged_report(task: RepoFixTask, task_id: str) -> str:
+    """A report line naming every test of the task as passed, with made-up digests."""
+    repo = task.tasks[task_id]
+    tests = {t: ["pass", "0" * 64] for t in repo.fail_to_pass + repo.pass_to_pass}
+    return "#meshrl-tests " + json.dumps({"tests": tests, "load_error": None, "module_file": None})
+
+
+def getattr_forge(report: str) -> str:
+    """A module-level __getattr__ (after `del __file__`): the runner's read of __file__ prints a report."""
+    return f"""
+del __file__
+def __getattr__(name):
+    if name == "__file__":
+        print("\\n" + {report!r}, flush=True)
+        raise SystemExit(0)
+    raise AttributeError(name)
+"""
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory) -> RepoFixTask:
+    return RepoFixTask(modules=MODULES, eval_modules=HELD_OUT, tries=16, per_module=2,
+                       cache_dir=str(tmp_path_factory.mktemp("cache")), sandbox=SANDBOX)  # fmt: skip
+
+
+def first(task: RepoFixTask, module: str) -> str:
+    return next(t for t, repo in task.tasks.items() if repo.module == module)
+
+
+def write(task: RepoFixTask, task_id: str, code: str) -> dict[str, Any]:
+    return assistant("Write", file_path=f"/work/{task.tasks[task_id].module}.py", content=code)
+
+
+def verdict_without_scan(task: RepoFixTask, task_id: str, code: str) -> scoring.Verdict:
+    """The hidden tests on `code` judged on the host, the capability scan skipped."""
+    repo = task.tasks[task_id]
+    run = run_tests(task.sandbox, task.sources[repo.module].files(code), repo.module, task.answer_keys[repo.module])
+    return scoring.judge(run, repo.fail_to_pass, repo.pass_to_pass, task.expected[repo.module])
+
+
+def cheats(task: RepoFixTask) -> dict[str, tuple[str, str]]:
+    """name -> (task id, the module the cheat leaves, as text)."""
+    out = {}
+    for module, name, code in [("colorsys", "match patterns walk the frames", MATCH_FRAMES),
+                               ("shlex", "print.__self__ is builtins", SELF_BUILTINS),
+                               ("fractions", "operator.attrgetter, which fractions imports", ATTRGETTER),
+                               ("string", "names built at run time, where string uses getattr", RUN_TIME_NAMES),
+                               ("colorsys", "objects whose __eq__ always agrees", ALWAYS_EQUAL)]:  # fmt: skip
+        task_id = first(task, module)
+        out[name] = (task_id, task.buggy_code(task.tasks[task_id]) + code)
+    task_id = first(task, "colorsys")
+    out["a coding cookie hides code from the scan"] = (
+        task_id, "# coding: raw_unicode_escape\n" + task.buggy_code(task.tasks[task_id]) + HIDDEN_BY_COOKIE
+    )  # fmt: skip
+    task_id = first(task, "getopt")
+    execv = f"os.execv(os.path.realpath('/proc/self/exe'), ['python3', '-c', {'print(' + repr(forged_report(task, task_id)) + ')'!r}])\n"
+    out["os.execv, which getopt already uses, runs a forged report"] = (
+        task_id, task.buggy_code(task.tasks[task_id]) + execv
+    )  # fmt: skip
+    for module in ("colorsys", "netrc"):
+        task_id = first(task, module)
+        out[f"a module __getattr__ forges the report ({module})"] = (
+            task_id, task.buggy_code(task.tasks[task_id]) + getattr_forge(forged_report(task, task_id))
+        )  # fmt: skip
+    task_id = first(task, "shlex")
+    out["the pristine module exec'd from the library with shlex's own open"] = (
+        task_id, "exec(open('/usr/lib/python3.11/shlex.py').read())\n" + task.buggy_code(task.tasks[task_id])
+    )  # fmt: skip
+    task_id = first(task, "colorsys")
+    out["a report that is not JSON"] = (task_id, "print('\\n#meshrl-tests {not json'); raise SystemExit(0)\n")
+    out["a report whose tests are a list"] = (
+        task_id, "print('\\n#meshrl-tests {\"tests\": [], \"load_error\": null, \"module_file\": null}')\n"
+        "raise SystemExit(0)\n"
+    )  # fmt: skip
+    out["a 200,000-term expression"] = (
+        task_id,
+        task.buggy_code(task.tasks[task_id]) + "x = " + "+".join(["1"] * 200_000),
+    )
+    return out
+
+
+def test_every_honest_fix_scores_1(task):
+    for task_id in task.tasks:
+        result = score(task, task_id, fix(task, task_id))
+        assert result.reward == 1.0, (task_id, result.metrics)
+
+
+def test_every_cheat_scores_0_and_the_verdict_holds_without_the_scan(task):
+    for name, (task_id, code) in cheats(task).items():
+        result = score(task, task_id, write(task, task_id, code))
+        assert result.reward == 0.0, name
+        assert not verdict_without_scan(task, task_id, code).solved, name
+    # the cookie's bytes are refused as such: what Python runs is not what a scan of UTF-8 text reads
+    assert scoring.module_text(b"# coding: raw_unicode_escape\nx = 1\n") is None
+    assert scoring.module_text(b"# -*- coding: utf-8 -*-\nx = 1\n") == "# -*- coding: utf-8 -*-\nx = 1\n"
+
+
+READ_EACH = """
+for path in PATHS:
+    try:
+        print(len(open(path, "rb").read()))
+    except OSError as error:
+        print(type(error).__name__)
+"""
+
+
+def test_the_answer_key_is_not_in_the_sandbox(task):
+    """The library's copies of the module and its tests (and bytecode) cannot be read in the task's
+    calls; copied back by the policy they leave no module, which scores 0."""
+    for task_id in (first(task, "colorsys"), task.eval_ids[0]):
+        module = task.tasks[task_id].module
+        copies = [str(p) for p in task.answer_keys[module]]
+        assert any(p.endswith(f"/{module}.py") for p in copies)  # and its tests, where the library ships them
+        program = f"PATHS = {copies!r}\n" + READ_EACH
+        seen = task.sandbox.run_python(program, hidden=task.answer_keys[module]).stdout.split()
+        assert seen == ["PermissionError"] * len(copies)
+        assert all(line.isdigit() and int(line) > 0 for line in task.sandbox.run_python(program).stdout.split())
+        cheat = [assistant("Bash", command=f"cp {p} /work/{module}.py") for p in copies if p.endswith(".py")]
+        assert score(task, task_id, *cheat).reward == 0.0
+
+
+def test_scores_of_one_fix_on_four_threads_agree(task):
+    task_id = first(task, "fractions")
+    results: list[float] = []
+    threads = [threading.Thread(target=lambda: results.append(score(task, task_id, fix(task, task_id)).reward))
+               for _ in range(4)]  # fmt: skip
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == [1.0] * 4
+
+
+def test_a_turns_calls_share_one_workspace_and_a_cut_turns_calls_are_not_replayed(task):
+    task_id = first(task, "colorsys")
+    prompt = task.prompt(task_id)
+    before = task.live_workspaces()
+    done = []
+
+    def write_one(i: int) -> None:
+        done.append(task.episode_call("ep-two", prompt, "Write", {"file_path": f"/work/f{i}.txt", "content": "x"}))
+
+    threads = [threading.Thread(target=write_one, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert task.live_workspaces() == before + 1 and not any(r.is_error for r in done)
+    listing = task.episode_call("ep-two", prompt, "Bash", {"command": "ls /work"}).content
+    assert all(f"f{i}.txt" in listing for i in range(4))
+    task.end_episode("ep-two")
+    assert task.live_workspaces() == before
+    # a turn cut at max_new_tokens: its call stays in the message, no tool turn answered it
+    messages = [*prompt.messages, fix(task, task_id)]
+    assert task.score(prompt, messages, Ending("agent_completed", "length")).reward == 0.0
+    assert task.score(prompt, [*prompt.messages, *answered(fix(task, task_id))], Ending("x", "stop")).reward == 1.0
+
+
+MAKE_FILES = (
+    "import os\nn = 0\ntry:\n    while n < 5000:\n        open(f'/tmp/f{n}', 'w').close()\n        n += 1\n"
+    "except OSError as error:\n    print(error)\nprint('made', n)\n"
+)
+
+
+def test_a_workspace_calls_tmp_is_bounded_by_the_files_limit(task, tmp_path):
+    if not task.sandbox.host_tmpfs:
+        pytest.skip("the workspace's own tmpfs needs root (CI runs as root)")
+    prompt = task.prompt(first(task, "colorsys"))
+    task.episode_call("ep-tmp", prompt, "Write", {"file_path": "/work/make.py", "content": MAKE_FILES})
+    result = task.episode_call("ep-tmp", prompt, "Bash", {"command": "python3 make.py"})
+    task.end_episode("ep-tmp")
+    made = int(result.content.split("made ")[-1].split()[0])
+    assert "No space left on device" in result.content and made < SANDBOX["files"], result.content
+
+
+def test_eval_covers_every_held_out_module(task):
+    modules = [task.tasks[p.answer].module for p in task.eval_prompts(random.Random(0), len(HELD_OUT))]
+    assert sorted(modules) == sorted(HELD_OUT)
+
+
+def test_a_scorer_that_raises_ends_its_episode_with_0_and_a_counted_error(task, monkeypatch):
+    """A score that raises (whatever the policy wrote made it) is a 0 for that episode, not a failed generator."""
+
+    def broken(prompt, messages, ending) -> Score:
+        raise RecursionError("maximum recursion depth exceeded")
+
+    format_ = EpisodeFormat.__new__(EpisodeFormat)  # scoring needs the task alone
+    format_.task = task
+    monkeypatch.setattr(task, "score", broken)
+    rollout = Rollout(task.prompt(first(task, "colorsys")), [], [], [], [], [])
+    format_.score(rollout)
+    assert rollout.reward == 0.0 and rollout.score.metrics == {"score_errors": 1.0}
