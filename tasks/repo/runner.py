@@ -187,9 +187,12 @@ class TestRun:
         return None if self.tests is None or test not in self.tests else self.tests[test][0]
 
 
-def run_tests(sandbox: Sandbox, files: dict[str, str], module: str, hidden: Sequence[Path] = ()) -> TestRun:
-    """Run `tests/test_<module>.py` against `files` in a fresh sandbox call (`hidden` unreadable there)."""
-    program = f"RESULTS = {RESULTS!r}\n" + RUNNER + f"\nmain({files!r}, 'tests.test_{module}', {module!r})\n"
+def run_tests(
+    sandbox: Sandbox, files: dict[str, str], test_module: str, module: str, hidden: Sequence[Path] = ()
+) -> TestRun:
+    """Run the unittest module `test_module` against `files` in a fresh sandbox call (`hidden`
+    unreadable there); `module` is the dotted name of the module under test."""
+    program = f"RESULTS = {RESULTS!r}\n" + RUNNER + f"\nmain({files!r}, {test_module!r}, {module!r})\n"
     run = sandbox.run_python(program, hidden=hidden)
     if run.limit is not None:
         return TestRun(None, error=f"limit {run.limit}")

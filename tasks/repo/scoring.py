@@ -100,17 +100,34 @@ def module_text(data: bytes) -> str | None:
 
 
 def read_module(directory: Path, name: str) -> bytes | None:
-    """`directory/name` when it is a regular file of at most MAX_MODULE_BYTES, read without following
-    a link the policy put there; else None."""
+    """`directory/name` (a relative path) when it is a regular file of at most MAX_MODULE_BYTES,
+    reached without following any link the policy put on the way (each part opened with
+    O_NOFOLLOW from its parent); else None."""
+    parts = Path(name).parts
     try:
-        fd = os.open(directory / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
         return None
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_MODULE_BYTES:
-            return None
-        return f.read(MAX_MODULE_BYTES + 1)[:MAX_MODULE_BYTES]
+    try:
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            flags = os.O_RDONLY | os.O_NOFOLLOW | (os.O_NONBLOCK if last else os.O_DIRECTORY)
+            parent, fd = fd, -1
+            try:
+                fd = os.open(part, flags, dir_fd=parent)
+            finally:
+                os.close(parent)
+        with os.fdopen(fd, "rb") as f:
+            fd = -1
+            info = os.fstat(f.fileno())
+            if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_MODULE_BYTES:
+                return None
+            return f.read(MAX_MODULE_BYTES + 1)[:MAX_MODULE_BYTES]
+    except OSError:
+        return None
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 @dataclass(frozen=True)

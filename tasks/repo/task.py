@@ -12,6 +12,9 @@ the other modules train (`split = "train"`); `"all"` is both.
 
 from __future__ import annotations
 
+import difflib
+import hashlib
+import json
 import random
 import tempfile
 import threading
@@ -23,9 +26,16 @@ from meshrl.configs.schema import SandboxConfig
 from meshrl.sandbox import Workspace, make_sandbox
 from meshrl.tasks.base import Ending, Prompt, Score, ToolResult
 from meshrl.tasks.repo import scoring, tools
-from meshrl.tasks.repo.build import RepoTask, answer_key, build_tasks
+from meshrl.tasks.repo.build import (
+    RepoTask,
+    answer_key,
+    build_tasks,
+    load_source,
+    repo_specs,
+    repository_source,
+    source_tests,
+)
 from meshrl.tasks.repo.demos import solution_session, solution_steps
-from meshrl.tasks.repo.runner import run_tests
 from meshrl.traces.claude_code import ingest_claude_code
 from meshrl.traces.schema import TraceExample, Turn
 
@@ -61,6 +71,7 @@ class RepoFixTask:
         self,
         modules: list[str] | None = None,
         eval_modules: list[str] | None = None,
+        repos: list[dict[str, str]] | None = None,
         split: str = "train",
         max_turns: int = 50,
         seed: int = 0,
@@ -76,7 +87,10 @@ class RepoFixTask:
             raise ValueError("task.kwargs.max_turns must be at least 1")
         held_out = list(EVAL_MODULES if eval_modules is None else eval_modules)
         modules = list(MODULES if modules is None else modules)
-        modules += [m for m in held_out if m not in modules]
+        sources = [repository_source(**spec) for spec in repo_specs(repos)]
+        named = {source.module for source in sources}
+        modules += [m for m in held_out if m not in modules and m not in named]
+        sources = [load_source(module) for module in modules] + sources
         self.max_turns, self.idle_s = max_turns, idle_s
         self.tools = tools.TOOLS
         config = SandboxConfig(**(sandbox or {}))
@@ -84,13 +98,13 @@ class RepoFixTask:
         # Every call of a task, the hidden tests' too, runs where the copies of its original module and
         # tests (and their bytecode) that the interpreter ships cannot be read: no answer key in reach.
         # Per module: another task's module may be one this one's tests import.
-        self.answer_keys = {module: answer_key([module], config.python) for module in modules}
+        self.answer_keys = {source.module: answer_key(source, config.python) for source in sources}
         # Building runs each module's tests once per mutation: a mutation that loops stops at BUILD_LIMITS.
         builder = make_sandbox(
             config.model_copy(update={k: min(getattr(config, k), v) for k, v in BUILD_LIMITS.items()})
         )
         try:
-            build = build_tasks(builder, modules, seed, tries, per_module, cache_dir)
+            build = build_tasks(builder, sources, seed, tries, per_module, cache_dir)
         finally:
             builder.close()
         built, self.sources, self.build_stats, self.expected = build.tasks, build.sources, build.stats, build.expected
@@ -123,15 +137,38 @@ class RepoFixTask:
 
     def prompt(self, task_id: str, draw: int | None = None) -> Prompt:
         task = self.tasks[task_id]
+        source = self.sources[task.module]
         failing = ", ".join(name.rsplit(".", 2)[-2] + "." + name.rsplit(".", 1)[-1] for name in task.fail_to_pass[:3])
         more = f" and {len(task.fail_to_pass) - 3} more" if len(task.fail_to_pass) > 3 else ""
         user = (
-            f"Some tests in tests/test_{task.module}.py fail: {failing}{more}. Find the bug in {task.module}.py and "
-            f"fix it so that every test passes. Run the tests with `python3 -m unittest tests.test_{task.module}`."
+            f"Some tests in {source.test_path} fail: {failing}{more}. Find the bug in {source.path} and "
+            f"fix it so that every test passes. Run the tests with `python3 -m unittest {source.test_module}`."
         )
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
         prompt_id = task_id if draw is None else f"{task_id}#{draw:08x}"
         return Prompt(prompt_id=prompt_id, messages=messages, answer=task_id, info={"problem": task_id})
+
+    def swe_instances(self) -> list[dict[str, Any]]:
+        """Every task as a SWE-bench-style instance: `patch` fixes the bug (the gold patch), `bug_patch`
+        injects it into the source (whose files' digest is `base_commit`: the sources are not git
+        checkouts), FAIL_TO_PASS and PASS_TO_PASS as JSON lists of unittest ids."""
+        out = []
+        for task_id, task in self.tasks.items():
+            source, buggy = self.sources[task.module], self.buggy_code(task)
+            files = json.dumps(source.files(), sort_keys=True).encode()
+            out.append({
+                "instance_id": task_id,
+                "repo": source.module,
+                "base_commit": hashlib.sha256(files).hexdigest()[:40],
+                "problem_statement": self.prompt(task_id).messages[-1]["content"],
+                "patch": unified_diff(source.path, buggy, source.code),
+                "bug_patch": unified_diff(source.path, source.code, buggy),
+                "test_patch": "",
+                "FAIL_TO_PASS": json.dumps(list(task.fail_to_pass)),
+                "PASS_TO_PASS": json.dumps(list(task.pass_to_pass)),
+                "test_command": f"python3 -m unittest {source.test_module}",
+            })  # fmt: skip
+        return out
 
     def buggy_code(self, task: RepoTask) -> str:
         return self.sources[task.module].buggy(task)
@@ -197,7 +234,7 @@ class RepoFixTask:
             for name, arguments in answered_calls(messages):
                 if name in tools.WRITES:
                     tools.call(self.sandbox, workspace, name, arguments)
-            return scoring.read_module(workspace.directory, f"{task.module}.py")
+            return scoring.read_module(workspace.directory, self.sources[task.module].path)
         finally:
             workspace.close()
 
@@ -216,9 +253,7 @@ class RepoFixTask:
         metrics |= {"refused": float(bool(refused)), "tests_fixed": 0.0, "tests_broken": 0.0, "no_report": 0.0}
         if refused:
             return Score(0.0, {"solved": 0.0}, metrics)
-        run = run_tests(
-            self.sandbox, self.sources[task.module].files(final), task.module, self.answer_keys[task.module]
-        )
+        run = source_tests(self.sandbox, self.sources[task.module], final, self.answer_keys[task.module])
         verdict = scoring.judge(run, task.fail_to_pass, task.pass_to_pass, self.expected[task.module])
         metrics |= {"tests_fixed": verdict.fixed / len(task.fail_to_pass), "tests_broken": float(verdict.broken),
                     "no_report": float(run.tests is None)}  # fmt: skip
@@ -297,3 +332,10 @@ def interleaved(tasks: list[RepoTask]) -> list[str]:
         by_module.setdefault(task.module, []).append(task.task_id)
     rounds = max((len(ids) for ids in by_module.values()), default=0)
     return [ids[r] for r in range(rounds) for ids in by_module.values() if r < len(ids)]
+
+
+def unified_diff(path: str, before: str, after: str) -> str:
+    """`before` -> `after` of the file `path`, as `git diff` writes a patch."""
+    lines = difflib.unified_diff(before.splitlines(keepends=True), after.splitlines(keepends=True),
+                                 f"a/{path}", f"b/{path}")  # fmt: skip
+    return f"diff --git a/{path} b/{path}\n" + "".join(lines)
