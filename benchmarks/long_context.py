@@ -4,10 +4,10 @@
     python benchmarks/long_context.py [--seq 2048 4096 8192 16384] [--modes none full selective]
                                       [--packed 2048]
 
-A small Qwen3-shaped model (4 layers, d_model 256, 4/2 heads of 64, vocabulary 32000) with random
-weights, float32, one RL row a step. Each measurement runs in a fresh process: its peak resident
-memory during the step, less the peak of a warm-up step on 256 tokens (weights, AdamW state,
-allocator), is what the row's length costs. Ratios are against `none` (no checkpointing) at the
+A small Qwen3-shaped model (12 layers, d_model 256, 4/2 heads of 64, vocabulary 32000) with random
+weights, float32, one RL row a step. Each measurement runs in a fresh process (glibc's mmap
+threshold fixed at 64 KiB: `CHILD_ENV`): its peak resident memory during the step, less the peak of
+a warm-up step on 256 tokens (weights, AdamW state, allocator), is what the row's length costs. Ratios are against `none` (no checkpointing) at the
 same length, measured in the same run; `--packed N` adds a row of N-token samples (position ids
 restarting), scored document by document, beside one sample of the row's length.
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -28,8 +29,14 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from meshrl.configs import load_config
 from meshrl.trainer.core import TrainerCore
 
-CONFIG = dict(vocab_size=32000, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+CONFIG = dict(vocab_size=32000, hidden_size=256, intermediate_size=768, num_hidden_layers=12, num_attention_heads=4,
               num_key_value_heads=2, head_dim=64, tie_word_embeddings=True, max_position_embeddings=65536)  # fmt: skip
+
+
+# glibc's malloc keeps freed blocks below its (growing) mmap threshold in the heap, so a process's
+# peak RSS also counts memory already freed; a fixed 64 KiB threshold gives every tensor over that
+# its own mapping, returned when it is freed, and the peak RSS is the tensors' peak.
+CHILD_ENV = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
 def row(seq: int, sample: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -81,7 +88,7 @@ def main() -> None:
                 results = {}
                 for mode in args.modes:
                     done = subprocess.run([sys.executable, __file__, "--one", tmp, mode, str(seq), str(sample)],
-                                          capture_output=True, text=True, check=True)  # fmt: skip
+                                          capture_output=True, text=True, check=True, env=CHILD_ENV)  # fmt: skip
                     results[mode] = json.loads(done.stdout.strip().splitlines()[-1])
                     r, none = results[mode], results.get("none", results[mode])
                     print(f"{label:<28}{mode:<11}{r['seconds']:>8.2f}{r['peak_mb']:>10.0f}"

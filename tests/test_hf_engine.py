@@ -7,7 +7,7 @@ import torch
 from conftest import TINY_VOCAB, tiny_llama
 from transformers import LlamaForCausalLM
 
-from meshrl.inference.hf_engine import HFEngine
+from meshrl.inference.hf_engine import HFEngine, Sequence, sample_rows
 from meshrl.models.tiny import ensure_tiny, load_tokenizer
 
 VOCAB = TINY_VOCAB
@@ -54,6 +54,37 @@ def reference_logprobs(
         assert token in kept, "a token outside the nucleus was sampled"
         out.append(row[token] - torch.logsumexp(row[kept], -1))
     return torch.stack(out)
+
+
+def one_row(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> tuple[int, float]:
+    """The sampler as it drew one row at a time (a host round trip per row and token)."""
+    if temperature == 0:
+        return int(logits.argmax()), float(torch.log_softmax(logits, -1)[int(logits.argmax())])
+    scaled = logits / temperature
+    if top_p < 1.0:
+        ordered, order = scaled.sort(descending=True)
+        probs = ordered.softmax(-1)
+        outside = (probs.cumsum(-1) - probs) >= top_p
+        scaled = scaled.masked_fill(outside.scatter(-1, order, outside), float("-inf"))
+    logprobs = torch.log_softmax(scaled, -1)
+    token = int(torch.multinomial(logprobs.exp(), 1, generator=generator))
+    return token, float(logprobs[token])
+
+
+def test_all_rows_at_once_draw_what_one_row_at_a_time_drew():
+    """Same seeds, same tokens and logprobs, rows of mixed temperature and top-p, over many steps."""
+    settings = [(1.0, 1.0), (0.7, 0.8), (0.0, 1.0), (1.3, 0.5), (1.0, 0.95)]
+    seqs = [Sequence([1], seed, torch.device("cpu")) for seed in range(len(settings))]
+    reference = [torch.Generator().manual_seed(seed) for seed in range(len(settings))]
+    for seq, (temperature, top_p) in zip(seqs, settings):
+        seq.temperature, seq.top_p = temperature, top_p
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        logits = torch.randn(len(settings), VOCAB, generator=g) * 4
+        tokens, logprobs = sample_rows(logits, seqs)
+        for i, (temperature, top_p) in enumerate(settings):
+            token, logprob = one_row(logits[i], temperature, top_p, reference[i])
+            assert tokens[i] == token and logprobs[i] == pytest.approx(logprob, abs=1e-6), (i, temperature, top_p)
 
 
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.8), (1.3, 0.5), (0.0, 1.0)])
