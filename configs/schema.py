@@ -252,6 +252,13 @@ class GeneratorConfig(Section):
         "'length', stop 'prompt_too_long') once its next turn would not fit the smaller of max_concurrent_tokens "
         "and trainer.micro_batch_tokens.",
     )
+    context_policy: Literal["cut", "elide"] = Field(
+        "cut",
+        description="An episode whose next turn would not fit its budget: 'cut' ends it (finish reason 'length', "
+        "stop 'prompt_too_long'); 'elide' replaces its oldest tool results, one at a time, by a marker the policy "
+        "sees and goes on from the shorter context (cut once nothing is left to elide). The turns sampled before "
+        "train on the context they were sampled in: the episode trains as one row per context.",
+    )
     samples_per_prompt: int = Field(
         4, ge=2, description="Rollouts per prompt (the advantage group size; one alone always has advantage 0)."
     )
@@ -777,6 +784,15 @@ class RunConfig(Section):
             raise ValueError(
                 f"generator.backend = 'vllm' needs topology.generator.gpus_per_proc = 1 (vLLM's GPU build) "
                 f"or 0 (its CPU build), got {gpus}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _elision_in_the_mesh(self) -> RunConfig:
+        if self.ingress.bind is not None and self.generator.context_policy == "elide":
+            raise ValueError(
+                "generator.context_policy = 'elide' with ingress.bind: an outside worker's episode is one row of "
+                "tokens, and an elided episode trains as several (use 'cut', or no outside workers)"
             )
         return self
 

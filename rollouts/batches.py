@@ -80,19 +80,21 @@ def rl_shards(
     rows, values, truncated, cut_off, idle = [], [], 0, 0, 0
     for r, a in zip(rollouts, advantages):
         cut = mask_truncated and r.finish_reason == "length"
+        segments = r.segments()  # an episode that elided tool results: one row per context it was sampled in
         if a == 0 and not keep_zero_advantage:
             if count_zero_advantage and not cut:
-                idle += int(np.count_nonzero(r.loss_mask[:micro_batch_tokens]))
+                idle += sum(int(np.count_nonzero(s.loss_mask[:micro_batch_tokens])) for s in segments)
             continue
         if cut:
             cut_off += 1
             continue
-        ids, mask, lp = (np.asarray(x) for x in (r.token_ids, r.loss_mask, r.logprobs))
-        if ids.size > micro_batch_tokens:
-            ids, mask, lp = ids[:micro_batch_tokens], mask[:micro_batch_tokens], lp[:micro_batch_tokens]
-            truncated += 1
-        rows.append(Encoded(ids.astype(np.int64), mask.astype(bool), lp.astype(np.float32)))
-        values.append(a)
+        for segment in segments:
+            ids, mask, lp = (np.asarray(x) for x in (segment.token_ids, segment.loss_mask, segment.logprobs))
+            if ids.size > micro_batch_tokens:
+                ids, mask, lp = ids[:micro_batch_tokens], mask[:micro_batch_tokens], lp[:micro_batch_tokens]
+                truncated += 1
+            rows.append(Encoded(ids.astype(np.int64), mask.astype(bool), lp.astype(np.float32)))
+            values.append(a)
     shards: list[list[dict[str, Any]]] = [[] for _ in range(world)]
     if not rows:
         return RlShards(shards, 0, truncated, cut_off, idle)
@@ -109,6 +111,8 @@ def rollout_trace(rollout: Rollout, classifier: ErrorClassifier) -> TraceExample
     """A rollout as a trace example, its error sites marked as ingestion marks them, with its exact
     ids and each sampled assistant turn's span in them. Assistant turns of the prompt (few-shot
     examples) are context: they carry no span, as turns of an ingested trace carry none."""
+    if rollout.earlier:  # an episode that elided tool results has no one row its turns lie in
+        raise ValueError(f"rollout {rollout.prompt.prompt_id}: it elided tool results, so it is no one trace")
     turns = [Turn.from_message(m) for m in rollout.messages]
     assistant = [t for t in turns[len(rollout.prompt.messages) :] if t.role == "assistant"]
     spans = sampled_spans(rollout.loss_mask)
@@ -133,7 +137,8 @@ def aux_shards(
 ) -> AuxShards:
     """Per-rank replay/SDPO batches (None where a rank gets nothing) and the collator's counters."""
     classifier = ErrorClassifier()
-    traces = [rollout_trace(r, classifier) for r in rollouts if r.tool_errors]
+    # an episode that elided tool results has no one row its turns lie in: it trains on RL alone
+    traces = [rollout_trace(r, classifier) for r in rollouts if r.tool_errors and not r.earlier]
     traces = [t for t in traces if any(turn.tool_error for turn in t.turns)][:max_sdpo_rows]
     out = AuxShards([], CollateStats())
     for rank in range(world):

@@ -26,6 +26,16 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class Segment:
+    """A context an episode left behind when it elided tool results (`generator.context_policy =
+    "elide"`): its ids, which of them were sampled in it, and their logprobs: a row of its own."""
+
+    token_ids: list[int]
+    loss_mask: list[bool]
+    logprobs: list[float]
+
+
+@dataclass
 class Rollout:
     prompt: Prompt
     messages: list[dict[str, Any]]
@@ -41,6 +51,13 @@ class Rollout:
     tool_errors: int = 0
     info: dict[str, Any] = field(default_factory=dict)
     episode_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # what an `Episodic` task's state is kept under
+    earlier: list[Segment] = field(default_factory=list)  # contexts left behind by elision, oldest first
+    turn_ids: list[list[int]] = field(default_factory=list)  # each sampled turn's ids, in order
+    elided: set[int] = field(default_factory=set)  # indices in `messages` of the tool results the policy sees elided
+
+    def segments(self) -> list[Segment]:
+        """Every context the episode was sampled in: the earlier ones, then the current one."""
+        return [*self.earlier, Segment(self.token_ids, self.loss_mask, self.logprobs)]
 
     @property
     def version(self) -> int:
@@ -106,6 +123,7 @@ def reasoning_stats(rollouts: list[Rollout], think_end: int) -> dict[str, float]
 PROMPT_TOO_LONG = "prompt_too_long"
 MIN_TOOL_SHARE = 64  # tokens a result keeps however many calls share a turn's tool budget
 TRUNCATION = "\n[... {cut} characters of tool output cut: this result is capped at {cap} tokens ...]\n"
+ELIDED = "[an older tool result ({tokens} tokens) was elided to fit the context]"
 WINDOW_CHARS = 16  # characters tokenized per token a capped result keeps, at its head and its tail
 
 
@@ -119,6 +137,7 @@ class EpisodeLimits:
     max_tokens: int
     max_new_tokens: int
     max_tool_tokens: int
+    elide: bool = False  # `generator.context_policy = "elide"`: elide old tool results before cutting
 
     @classmethod
     def of(cls, config: RunConfig) -> EpisodeLimits:
@@ -126,7 +145,7 @@ class EpisodeLimits:
         (a longer one would be cut there, its sampled tail never trained)."""
         g = config.generator
         budget = min(g.max_concurrent_tokens, config.trainer.micro_batch_tokens)
-        return cls(budget, g.max_new_tokens, g.max_tool_result_tokens)
+        return cls(budget, g.max_new_tokens, g.max_tool_result_tokens, g.context_policy == "elide")
 
     def room_for_a_turn(self, context: int) -> bool:
         """Whether a turn of `max_new_tokens` still fits after `context` tokens."""
@@ -225,6 +244,7 @@ class EpisodeFormat:
         rollout.versions += completion.versions
         rollout.finish_reason = completion.finish_reason
         rollout.messages.append(message)
+        rollout.turn_ids.append(list(completion.completion_ids))
         return message.get("tool_calls", []) if completion.finish_reason == "stop" else []
 
     def goes_on(self, rollout: Rollout, calls: list[dict[str, Any]]) -> bool:
@@ -237,10 +257,56 @@ class EpisodeFormat:
         elif isinstance(self.task, Stopping) and (stop := self.task.stops(rollout.prompt, rollout.messages)):
             rollout.stop_condition = stop
         elif self.limits is not None and not self.limits.room_for_a_turn(len(rollout.token_ids)):
+            if self.limits.elide and self.elide(rollout):
+                return True
             rollout.stop_condition, rollout.finish_reason = PROMPT_TOO_LONG, "length"
         else:
             return True
         return False
+
+    def elide(self, rollout: Rollout) -> bool:
+        """Replace the oldest tool results the policy still sees in full, one at a time, by a marker
+        (`ELIDED`), until a turn fits; the context so far becomes a `Segment` and the episode goes on
+        from the shorter one. False (nothing changed) when eliding every result would not make room."""
+        tools = [i for i, m in enumerate(rollout.messages) if m.get("role") == "tool" and i not in rollout.elided]
+        elided = set(rollout.elided)
+        for index in tools:
+            elided.add(index)
+            ids = self.context_ids(rollout, elided)
+            if self.limits.room_for_a_turn(len(ids)):
+                rollout.earlier.append(Segment(rollout.token_ids, rollout.loss_mask, rollout.logprobs))
+                rollout.token_ids, rollout.loss_mask, rollout.logprobs = ids, [False] * len(ids), [0.0] * len(ids)
+                rollout.elided = elided
+                return True
+        return False
+
+    def context_ids(self, rollout: Rollout, elided: set[int]) -> list[int]:
+        """The episode's context with the tool results at `elided` replaced by the marker: the prompt,
+        then each sampled turn's own ids and its tool turn as the chat format extends it (so with nothing
+        elided, exactly the episode's ids)."""
+        start = len(rollout.prompt.messages)
+        ids = self.chat.prompt_ids(rollout.prompt.messages)
+        messages = [dict(m) for m in rollout.prompt.messages]
+        turns = iter(rollout.turn_ids)
+        i = start
+        while i < len(rollout.messages):
+            message = rollout.messages[i]
+            sampled, before = next(turns), len(ids)
+            ids += sampled
+            messages.append(message)
+            i += 1
+            results = []
+            while i < len(rollout.messages) and rollout.messages[i].get("role") == "tool":
+                result = dict(rollout.messages[i])
+                if i in elided:
+                    count = len(self.tokenizer.encode(result["content"], add_special_tokens=False))
+                    result["content"] = ELIDED.format(tokens=count)
+                results.append(result)
+                i += 1
+            if results:
+                ids += self.chat.tool_turn_ids(ids[:before], sampled, messages, results)
+                messages += results
+        return ids
 
     def call_tool(self, rollout: Rollout, call: dict[str, Any]) -> ToolResult:
         name, arguments = call["function"]["name"], call["function"]["arguments"]

@@ -207,8 +207,14 @@ class EpisodeScheduler:
                         results = await asyncio.gather(*(self._tool(rollout, call) for call in calls))
                         seq.extend(self.format.add_tool_results(rollout, calls, list(results)))
                     # off the loop: a task's stop check may block (verifiers' run on their own loop)
+                    contexts = len(rollout.earlier)
                     if not await self.loop.run_in_executor(self._tools, self.format.goes_on, rollout, calls):
                         break
+                    if len(rollout.earlier) != contexts:  # tool results elided: the next turn prefills the new context
+                        self._release(seq)
+                        seq = self.engine.sequence(
+                            rollout.token_ids, None if seed is None else seed + 7919 * contexts + 1
+                        )
             finally:
                 self._release(seq)
             await self.loop.run_in_executor(self._tools, self._end_episode, rollout)

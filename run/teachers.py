@@ -127,7 +127,7 @@ class TeacherRounds:
         found = [
             (state, {"prompt": r.prompt})
             for r in rollouts
-            if r.reward < 1.0
+            if r.reward < 1.0 and not r.earlier  # an episode that elided tool results has no one row of ids
             for state in trace_states(rollout_trace(r, classifier))
         ]
         picked = self.rng.sample(found, min(len(found), budget))

@@ -709,3 +709,11 @@ def test_the_humaneval_preset_fits_a_maximal_episode_in_one_micro_batch(tmp_path
     longest = prompt + task.max_turns * limits.max_new_tokens + (task.max_turns - 1) * tool_turn
     task.sandbox.close()
     assert longest <= limits.max_tokens <= config.model.tiny.max_position_embeddings, (prompt, tool_turn, longest)
+
+
+def test_eliding_episodes_are_refused_with_outside_workers():
+    assert load_config(["--generator.context_policy", "elide"]).generator.context_policy == "elide"
+    ingress = ["--ingress.bind", "tcp://127.0.0.1:5555", "--ingress.server_key", "s.key_secret",
+               "--ingress.authorized_keys", "keys"]  # fmt: skip
+    error = _error(["--generator.context_policy", "elide", *ingress])
+    assert "an outside worker's episode is one row" in error

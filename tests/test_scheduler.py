@@ -21,6 +21,7 @@ from meshrl.models.tiny import build_model, ensure_tiny
 from meshrl.rollouts.advantages import group_advantages
 from meshrl.rollouts.batches import rl_shards
 from meshrl.rollouts.episodes import (
+    ELIDED,
     PROMPT_TOO_LONG,
     EpisodeFormat,
     EpisodeLimits,
@@ -347,6 +348,41 @@ def test_a_scorer_that_raises_is_a_0_for_its_episodes_and_the_generator_goes_on(
     assert len(broken) == 2 and all(r.reward == 0.0 and r.score.metrics == {"score_errors": 1.0} for r in broken)
     assert all(r.score.metrics == {} for g in first + later for r in g.rollouts if r not in broken)
     assert len(later) == 1 and len(later[0].rollouts) == 2
+
+
+def test_an_episode_past_its_budget_elides_old_tool_results_and_trains_as_the_contexts_it_saw(poll_model):
+    """`generator.context_policy = "elide"`: where the cut-off episodes above ended, the oldest tool
+    results give way to a marker the policy reads, and the episode goes on. Each context it was
+    sampled in is a row of its own, holding exactly the ids its turns were sampled after: the
+    sampler's logprobs equal one forward over each row, and every row fits the budget."""
+    task = FloodingPollTask(6, 8)
+    prompts = task.sample_prompts(random.Random(5), 3)
+    limits = EpisodeLimits(max_tokens=600, max_new_tokens=40, max_tool_tokens=128, elide=True)
+    sched = scheduler(poll_model, task, max_tokens=4096, limits=limits)
+    try:
+        groups = run_groups(sched, [GroupRequest(f"g{i}", p, 2, seed=i) for i, p in enumerate(prompts)])
+    finally:
+        sched.close()
+    rollouts = [r for g in groups for r in g.rollouts]
+    elided = [r for r in rollouts if r.earlier]
+    assert elided, "no episode outgrew its budget"
+    model = AutoModelForCausalLM.from_pretrained(poll_model)
+    tokenizer = AutoTokenizer.from_pretrained(poll_model)
+    marker = ELIDED.split("(")[0]
+    for rollout in elided:
+        segments = rollout.segments()
+        assert sum(sum(s.loss_mask) for s in segments) == len(rollout.versions) == sum(map(len, rollout.turn_ids))
+        for k, segment in enumerate(segments):
+            row = Rollout(rollout.prompt, [], segment.token_ids, segment.loss_mask, segment.logprobs, [])
+            sampled = torch.tensor([lp for lp, m in zip(segment.logprobs, segment.loss_mask) if m])
+            torch.testing.assert_close(full_forward_logprobs(model, row), sampled, rtol=0, atol=2e-4)
+            assert max(i for i, m in enumerate(segment.loss_mask) if m) < limits.max_tokens
+            assert (marker in tokenizer.decode(segment.token_ids)) == (k > 0)
+        assert len(rl_shards([rollout], [1.0], 4096, 0, 1).shards[0][0]["input_ids"]) == len(segments)
+    # with nothing elided, the context rebuilt from the turns is the episode's own ids (token-exact)
+    episodes = EpisodeFormat(tokenizer, task, limits=limits)
+    for rollout in [r for r in rollouts if not r.earlier]:
+        assert episodes.context_ids(rollout, set()) == rollout.token_ids
 
 
 @pytest.mark.parametrize("cap", [64, 100, 257])
