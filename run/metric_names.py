@@ -21,6 +21,8 @@ METRICS: dict[str, dict[str, str]] = {
         "rollouts/cut_off": "Fresh rollouts cut off (finish reason length): their last turn hit generator.max_new_tokens, "
         "or their next turn would not have fit the episode token budget.",
         "rollouts/cut_off_masked": "Cut-off rollouts left out of the RL loss (trainer.mask_truncated_completions).",
+        "rollouts/elided": "Fresh rollouts that elided tool results to go on past their budget "
+        "(generator.context_policy = 'elide'): each trains as one row per context it was sampled in.",
         "rollouts/external": "Fresh rollouts from outside rollout workers (ingress on).",
         "reward/external": "Mean reward of the outside workers' rollouts (null in metrics.jsonl on a step without any; ingress on).",
         "truncated": "RL rollouts longer than trainer.micro_batch_tokens, cut to that many tokens.",

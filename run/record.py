@@ -88,6 +88,7 @@ def step_record(f: StepFacts) -> dict[str, Any]:
         "truncated": f.rl.truncated,
         "rollouts/cut_off": sum(r.finish_reason == "length" for r in f.fresh),
         "rollouts/cut_off_masked": f.rl.cut_off,
+        "rollouts/elided": sum(bool(r.earlier) for r in f.fresh),
         "groups/uninformative": f.uninformative,
         "groups/refilled": f.refilled,
         **f.trainer,

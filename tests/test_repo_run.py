@@ -33,6 +33,7 @@ def test_the_repository_preset_trains_and_its_held_out_split_evaluates(tmp_path)
     assert len(rows) == 2
     for row in rows:
         assert "rubric/solved" in row and row["task_metric/turns"] >= 1 and "task_metric/tests_fixed" in row
+        assert row["rollouts/elided"] >= 0  # the preset's episodes elide old tool results past their budget
     result = tmp_path / "eval.json"
     # the held-out split over both sources (one build: the split is not part of the cache's key)
     both = json.dumps(
