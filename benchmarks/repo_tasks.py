@@ -2,7 +2,7 @@
 
     python benchmarks/repo_tasks.py [--episodes 30] [--cache DIR]
 
-1. Builds the default modules' tasks into `--cache` (a fresh temporary one unless given) and prints,
+1. Builds the default modules' tasks and the preset's repository sources into `--cache` (a fresh temporary one unless given) and prints,
    per module, the tests, mutation sites, mutations tried and kept and why the rest were dropped;
    FAIL_TO_PASS and PASS_TO_PASS tests per task.
 2. Runs the scripted solution (the demonstrations' five turns) of `--episodes` training tasks in
@@ -22,6 +22,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from meshrl.configs import load_config
 from meshrl.configs.schema import TinyModelConfig
 from meshrl.models.tiny import ensure_tiny, load_tokenizer
 from meshrl.rollouts.episodes import cap_trace
@@ -31,6 +32,7 @@ from meshrl.tasks.repo.task import RepoFixTask
 
 SANDBOX = {"backend": "bwrap", "pool_size": 4, "wall_time_s": 20.0, "cpu_time_s": 10}  # configs/repo_fix.toml's
 MAX_TOOL_TOKENS = 512  # configs/repo_fix.toml's generator.max_tool_result_tokens
+PRESET = Path(__file__).resolve().parent.parent / "configs" / "repo_fix.toml"
 
 
 def median_ms(values: list[float]) -> str:
@@ -39,15 +41,16 @@ def median_ms(values: list[float]) -> str:
 
 def build(cache: str) -> RepoFixTask:
     start = time.perf_counter()
-    task = RepoFixTask(cache_dir=cache, sandbox=SANDBOX)
+    repos = load_config(["@", str(PRESET)]).task.kwargs.get("repos")  # the preset's PyPI source(s)
+    task = RepoFixTask(cache_dir=cache, sandbox=SANDBOX, repos=repos)
     seconds = time.perf_counter() - start
     print(
         f"build: {len(task.tasks)} tasks ({len(task.split_ids)} train, {len(task.eval_ids)} held out) in {seconds:.0f} s"
     )
-    print("module      tests  sites  tried  kept  no test broke  no report (limit)")
+    print("module                  tests  sites  tried  kept  no test broke  no report (limit)")
     for s in task.build_stats:
         print(
-            f"{s.module:<11} {s.tests:>5}  {s.sites:>5}  {s.tried:>5}  {s.kept:>4}  {s.no_test_broke:>13}  {s.no_report:>9}"
+            f"{s.module:<23} {s.tests:>5}  {s.sites:>5}  {s.tried:>5}  {s.kept:>4}  {s.no_test_broke:>13}  {s.no_report:>9}"
         )
     tried, kept = sum(s.tried for s in task.build_stats), sum(s.kept for s in task.build_stats)
     print(f"kept {kept} of {tried} tried ({kept / tried:.0%})")

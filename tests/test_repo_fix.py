@@ -114,7 +114,7 @@ def test_the_build_is_cached_and_the_same_from_the_cache(task, cache):
 
 
 def test_a_module_the_test_runner_imports_first_is_refused_by_name(tmp_path):
-    with pytest.raises(ValueError, match="'textwrap'.*module imported from /usr/lib"):
+    with pytest.raises(ValueError, match="'textwrap''s own tests do not run here"):  # unittest needs its copy
         RepoFixTask(modules=["textwrap"], eval_modules=[], cache_dir=str(tmp_path), sandbox=SANDBOX)
 
 

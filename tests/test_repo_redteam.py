@@ -27,7 +27,7 @@ from tests.e2e import REPO
 from tests.test_repo_fix import answered, assistant, fix, score
 
 SANDBOX = {"backend": "bwrap", "pool_size": 4, "wall_time_s": 20.0, "cpu_time_s": 10, "files": 512}
-MODULES = ["colorsys", "shlex", "getopt", "fractions", "string"]
+MODULES = ["colorsys", "shlex", "getopt", "fractions", "string", "base64"]
 HELD_OUT = ["graphlib", "netrc"]
 # A real PyPI package's module and its own tests, from the source distribution the set-up keeps.
 PYPI = {"repo": str(REPO / ".venv" / "share" / "meshrl-sources" / "more-itertools-10.5.0.tar.gz"),

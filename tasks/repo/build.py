@@ -29,7 +29,7 @@ from meshrl.sandbox import Sandbox
 from meshrl.tasks.repo.mutations import Mutation, apply, sites
 from meshrl.tasks.repo.runner import TestRun, run_tests
 
-BUILD_VERSION = 4  # bumped whenever what a build makes changes: older caches are not read
+BUILD_VERSION = 5  # bumped whenever what a build makes changes: older caches are not read
 
 
 @dataclass(frozen=True)
@@ -202,10 +202,12 @@ def source_tests(sandbox: Sandbox, source: Source, code: str | None = None, hidd
     return run_tests(sandbox, source.files(code), source.test_module, source.import_name, hidden)
 
 
-def expected_observations(sandbox: Sandbox, source: Source) -> dict[str, str]:
-    """Test id -> digest of every test that passes on the original twice with the same observations;
-    a clear error when the module's own tests do not run here (or run another copy of it)."""
-    runs = [source_tests(sandbox, source) for _ in range(2)]
+def expected_observations(sandbox: Sandbox, source: Source, hidden: Sequence[Path] = ()) -> dict[str, str]:
+    """Test id -> digest of every test that passes on the original twice with the same observations,
+    run as the reward runs them (`hidden`: the answer key unreadable; a test that starts a fresh
+    interpreter on the library's copy of the module fails there, so it is in neither list); a clear
+    error when the module's own tests do not run here (or run another copy of it)."""
+    runs = [source_tests(sandbox, source, hidden=hidden) for _ in range(2)]
     where = f"/work/{source.path}"
     for run in runs:
         if run.tests is None or run.load_error or run.module_file != where:
@@ -223,13 +225,13 @@ def expected_observations(sandbox: Sandbox, source: Source) -> dict[str, str]:
 
 
 def build_module(
-    sandbox: Sandbox, source: Source, seed: int, tries: int, keep: int
+    sandbox: Sandbox, source: Source, seed: int, tries: int, keep: int, hidden: Sequence[Path] = ()
 ) -> tuple[list[RepoTask], BuildStats, dict[str, str]]:
     """Up to `keep` tasks of one module from at most `tries` mutations drawn with `seed` (`tried`
     counts those whose tests ran: a batch at a time, until `keep` are kept), and the module's
-    expected observations."""
+    expected observations; every run with `hidden` unreadable, as the reward runs the tests."""
     stats = BuildStats(source.module)
-    expected = expected_observations(sandbox, source)
+    expected = expected_observations(sandbox, source, hidden)
     passing = list(expected)
     stats.tests = len(passing)
     candidates = sites(source.code)
@@ -243,7 +245,7 @@ def build_module(
             if len(tasks) >= keep:
                 break
             chunk = mutations[at : at + batch]
-            runs = pool.map(lambda m: source_tests(sandbox, source, m.source), chunk)
+            runs = pool.map(lambda m: source_tests(sandbox, source, m.source, hidden), chunk)
             for mutation, run in zip(chunk, runs):
                 stats.tried += 1
                 if run.tests is None:
@@ -262,7 +264,13 @@ def build_module(
 
 
 def build_tasks(
-    sandbox: Sandbox, sources_list: list[Source], seed: int, tries: int, keep: int, cache_dir: str | Path
+    sandbox: Sandbox,
+    sources_list: list[Source],
+    seed: int,
+    tries: int,
+    keep: int,
+    cache_dir: str | Path,
+    answer_keys: dict[str, list[Path]] | None = None,
 ) -> Build:
     """Every source's tasks, from the cache when a build of the same sources and settings (the
     sandbox's time limits among them: they decide which mutations report) is there.
@@ -278,6 +286,7 @@ def build_tasks(
                 sandbox.config.cpu_time_s,
                 sandbox.config.wall_time_s,
                 [(s.module, s.path, s.test_path, s.code, s.tests, s.extra) for s in sources.values()],
+                {module: sorted(map(str, paths)) for module, paths in sorted((answer_keys or {}).items())},
             ]
         ).encode()  # fmt: skip
     ).hexdigest()[:16]
@@ -290,7 +299,8 @@ def build_tasks(
     tasks, stats, expected = [], [], {}
     for source in sources.values():
         start = time.perf_counter()
-        built, module_stats, expected[source.module] = build_module(sandbox, source, seed, tries, keep)
+        hidden = (answer_keys or {}).get(source.module, ())
+        built, module_stats, expected[source.module] = build_module(sandbox, source, seed, tries, keep, hidden)
         tasks += built
         stats.append(module_stats)
         print(f"repository tasks: {source.module}: {module_stats.kept} kept of {module_stats.tried} mutations tried "

@@ -104,7 +104,7 @@ class RepoFixTask:
             config.model_copy(update={k: min(getattr(config, k), v) for k, v in BUILD_LIMITS.items()})
         )
         try:
-            build = build_tasks(builder, sources, seed, tries, per_module, cache_dir)
+            build = build_tasks(builder, sources, seed, tries, per_module, cache_dir, self.answer_keys)
         finally:
             builder.close()
         built, self.sources, self.build_stats, self.expected = build.tasks, build.sources, build.stats, build.expected
