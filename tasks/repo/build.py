@@ -138,8 +138,8 @@ def repository_source(repo: str, module: str, tests: str) -> Source:
         if name not in found:
             raise ValueError(f"task.kwargs.repos: {repo!r} has no {name!r}")
     files = {name: data.decode("utf-8") for name, data in found.items()}
-    if not any(name.startswith(tests.rsplit("/", 1)[0] + "/__init__.py") for name in files) and "/" in tests:
-        files[tests.rsplit("/", 1)[0] + "/__init__.py"] = ""
+    if "/" in tests:  # the tests' folder imports as a package (`python3 -m unittest tests.test_x`)
+        files.setdefault(f"{tests.rsplit('/', 1)[0]}/__init__.py", "")
     name = module.removesuffix(".py").replace("/", ".")
     extra = {k: v for k, v in files.items() if k not in (module, tests)}
     return Source(name, files[module], files[tests], module, tests, extra)

@@ -82,7 +82,8 @@ def canon(x, places=None, depth=0):
     except Exception:
         pass
     for klass in t.__mro__:
-        for slot in klass.__dict__.get("__slots__", ()) if type(klass.__dict__.get("__slots__", ())) in (tuple, list) else ():
+        slots = klass.__dict__.get("__slots__", ())
+        for slot in slots if type(slots) in (tuple, list) else ():
             try:
                 state.append([slot, canon(object.__getattribute__(x, slot), places, depth + 1)])
             except Exception:
