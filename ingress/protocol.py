@@ -90,6 +90,7 @@ class Spec(Message):
     max_episode_tokens: int  # an episode's token budget (`rollouts.episodes.EpisodeLimits`)
     max_tool_result_tokens: int  # a tool turn's
     lora: dict[str, Any] | None = None  # model.lora's settings: versions are adapters on the base model
+    vllm_log_level: Literal["debug", "info", "warning", "error", "critical"] = "warning"  # a vLLM worker's
 
 
 class Lease(Message):

@@ -62,7 +62,8 @@ def evaluate_checkpoint(config: RunConfig, checkpoint: str | Path, out: Path | N
     also written to `out` as JSON when given."""
     path = model_dir(checkpoint)
     gpus = [0] if torch.cuda.is_available() else []
-    engine = make_engine(config.generator.backend if gpus else "hf", str(path), config.model.dtype, gpus)
+    backend = config.generator.backend if gpus else "hf"
+    engine = make_engine(backend, str(path), config.model.dtype, gpus, vllm_log_level=config.generator.vllm_log_level)
     result = evaluate(engine, _episodes(config, path), plan_for(config))
     if out is not None:
         write_atomic(out, json.dumps({"checkpoint": str(path), **asdict(result), **result.metrics()}, indent=1) + "\n")

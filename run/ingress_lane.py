@@ -36,6 +36,7 @@ def start_ingress(
         chat_template_kwargs=chat.template_kwargs, model_files=model_files(model_path),
         max_episode_tokens=limits.max_tokens, max_tool_result_tokens=limits.max_tool_tokens,
         lora=config.model.lora.model_dump() if config.model.lora is not None else None,
+        vllm_log_level=g.vllm_log_level,
     )  # fmt: skip
     holder: list[IngressServer] = []  # the scorer reads the versions the server keeps
     scorer = Scorer(model_path, config.model.dtype, g.temperature, lambda v: holder[0].weights_path(v))

@@ -8,6 +8,7 @@ purpose (and checks that an engine started after it in the same process is sound
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -22,9 +23,11 @@ from meshrl.configs.schema import TinyModelConfig
 from meshrl.inference.completion import Completion, request_seeds
 from meshrl.inference.vllm_engine import (
     EngineBroken,
+    ExpectedReloadWarnings,
     VLLMEngine,
     add_output,
     kv_bytes_per_token,
+    nothing_to_load,
     to_prompt_inputs,
     to_sampling_kwargs,
 )
@@ -165,6 +168,37 @@ def test_the_kv_cache_is_sized_per_token_from_the_models_shape():
     smollm2 = {"num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3}
     assert kv_bytes_per_token(smollm2, "float32") == 46080 and kv_bytes_per_token(smollm2, "bfloat16") == 23040
     assert kv_bytes_per_token({**smollm2, "head_dim": 128}, "bfloat16") == 30 * 2 * 3 * 128 * 2
+
+
+def test_only_layers_with_nothing_to_load_have_their_reload_warning_dropped():
+    """A tied head (its weight is the embedding's) and a table of buffers alone load nothing from a
+    checkpoint; a layer class that also has loading instances keeps its warning."""
+
+    class Rotary(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("cos_sin_cache", torch.ones(4), persistent=False)
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(8, 4)
+            self.rotary = Rotary()
+            self.proj = torch.nn.Linear(4, 4)  # a Linear that loads: the class keeps its warning
+            self.head = torch.nn.Linear(4, 8, bias=False)
+            self.head.weight = self.embed.weight
+
+    assert nothing_to_load(Model()) == {"Rotary"}
+    model = Model()
+    del model.proj
+    assert nothing_to_load(model) == {"Rotary", "Linear"}
+    quiet = ExpectedReloadWarnings({"Rotary", "Linear"})
+
+    def record(name: str, msg: str = "%s: Failed to load weights") -> logging.LogRecord:
+        return logging.LogRecord("vllm", logging.WARNING, __file__, 1, msg, (name,), None)
+
+    assert not quiet.filter(record("Rotary")) and not quiet.filter(record("Linear"))
+    assert quiet.filter(record("Embedding")) and quiet.filter(record("Rotary", "%s: Delayed processing"))
 
 
 # ---------------------------------------------------------------- the real engine (vLLM's CPU build)
@@ -329,6 +363,36 @@ def test_a_mixture_of_experts_samples_the_trainers_logprobs_before_and_after_an_
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         before, after, changed = pool.apply(moe_on_vllm, (str(path),))
     assert before < 1e-4 and after < 1e-4 and changed, (before, after, changed)
+
+
+def test_vllm_logs_warnings_alone_by_default_and_a_tied_heads_sync_no_failed_layers(tmp_path, monkeypatch):
+    """generator.vllm_log_level's default, 'warning': a tiny tied-head model's engine start and
+    weight sync log no vLLM record below WARNING (21 INFO lines before) and no "Failed to load
+    weights" (22 INFO records and the tied head's and rotary table's "Failed to load weights" before:
+    no checkpoint weight loads into them; the sampled logprobs are the new version's all the same).
+    'info' brings vLLM's lines back in the same process, vLLM imported and configured at 'warning'."""
+    records: list[logging.LogRecord] = []
+    call_handlers = logging.Logger.callHandlers  # past the logger's level and filters: what would print
+
+    def recorded(logger: logging.Logger, record: logging.LogRecord) -> None:
+        if record.name.startswith("vllm"):
+            records.append(record)
+        call_handlers(logger, record)
+
+    monkeypatch.setattr(logging.Logger, "callHandlers", recorded)
+    spec = TinyModelConfig(hidden_size=128, num_heads=2, tie_embeddings=True)
+    path = ensure_tiny(tmp_path / "tied", spec)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tied = cpu_engine(path)
+    tied.load_weights(next_version(model, scale=0.05), version=1)
+    shown = [r.getMessage() for r in records if r.levelno < logging.WARNING or "Failed to load" in r.getMessage()]
+    assert shown == []
+    turns = tied.generate(PROMPTS, temperature=1.0, top_p=1.0, max_new_tokens=8, seed=0)
+    assert worst_gap(model, turns, 1.0) < 1e-3 and {v for turn in turns for v in turn.versions} == {1}
+    del tied
+    records.clear()
+    VLLMEngine(str(path), dtype="float32", enforce_eager=True, max_model_len=256, kv_tokens=1024, log_level="info")
+    assert any(r.levelno == logging.INFO for r in records)
 
 
 def test_an_update_that_fails_part_way_leaves_an_engine_that_refuses_to_sample(engine, trainer_model, smollm2):
