@@ -3,19 +3,23 @@
 Sources apply left to right: later presets deep-merge over earlier ones, overrides over
 both; free-form dicts (`task.kwargs`, `loss.kwargs`) are replaced whole, so `{}` clears them.
 Every leaf remembers where it was set, so a validation error names the key *and* the file (or
-the command line) it came from.
+the command line) it came from; an unknown key also the union member that refused it (with where
+its tag was set) and the nearest valid key.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import tomli_w
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
+from meshrl.configs.keys import models_in
 from meshrl.configs.schema import FREE_FORM, RunConfig
 
 COMMAND_LINE = "the command line"
@@ -172,12 +176,75 @@ def _origin_of(loc: tuple[Any, ...], merged: dict[str, Any], where: dict[tuple[s
     return ".".join(path), "the defaults"
 
 
+@dataclass
+class _Place:
+    """Where an unknown key sits: the config model it is not a field of, the dotted path to that model
+    (no union tags), and, when the model is a tagged union's member, its tag field and value and
+    whether the merged sources gave that tag (else the schema's default member)."""
+
+    model: type[BaseModel]
+    path: tuple[str, ...]
+    tag: tuple[str, str] | None = None
+    tag_given: bool = False
+
+
+def _place(loc: tuple[Any, ...], merged: dict[str, Any]) -> _Place | None:
+    """Walk a pydantic error location from RunConfig to the model holding its last part: list
+    indices are skipped, and a union's tag part picks the member pydantic validated."""
+    models: list[type[BaseModel]] = [RunConfig]
+    place = _Place(RunConfig, ())
+    node: Any = merged
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            place.path = (*place.path, str(part))
+            node = node[part] if isinstance(node, list) else None
+        elif len(models) > 1:  # the union's tag
+            tag = "type" if "type" in models[0].model_fields else "backend"
+            models = [m for m in models if m.model_fields[tag].default == part]
+            place.tag, place.tag_given = (tag, part), isinstance(node, dict) and tag in node
+        elif part in models[0].model_fields:
+            models = models_in(models[0].model_fields[part].annotation)
+            place.path, place.tag = (*place.path, part), None
+            node = node.get(part) if isinstance(node, dict) else None
+        else:
+            return None
+        if not models:
+            return None
+    place.model = models[0]
+    return place if len(models) == 1 else None
+
+
+def _set_by(path: tuple[str, ...], where: dict[tuple[str, ...], Origin]) -> str:
+    """The source that last set `path`, or the list (set whole) it is in."""
+    found = next((where[path[:n]] for n in range(len(path), 0, -1) if path[:n] in where), (0, "the defaults"))
+    return f"on {found[1]}" if found[1] == COMMAND_LINE else f"in {found[1]}"
+
+
+def _unknown_key_hint(loc: tuple[Any, ...], merged: dict[str, Any], where: dict[tuple[str, ...], Origin]) -> str:
+    """What follows "unknown key 'k'": in a tagged union's member, which member refused it, where its
+    tag was set and what it takes (the key may be another loss.type's); and the nearest valid key."""
+    place = _place(loc, merged)
+    if place is None:
+        return ""
+    fields = place.model.model_fields
+    names = sorted(fields, key=lambda name: bool(models_in(fields[name].annotation)))  # sections last
+    hint = ""
+    if place.tag is not None:
+        tag, value = place.tag
+        tag_key = (*place.path, tag)
+        given = f"set {_set_by(tag_key, where)}" if place.tag_given else "the default"
+        takes = ", ".join(name for name in names if name != tag)
+        hint = f" for {'.'.join(tag_key)} '{value}' ({given}), which takes: {takes}"
+    close = difflib.get_close_matches(str(loc[-1]), names, n=1)
+    return hint + (f" — did you mean '{'.'.join((*place.path, close[0]))}'?" if close else "")
+
+
 def _format_errors(exc: ValidationError, merged: dict[str, Any], where: dict[tuple[str, ...], Origin]) -> str:
     lines = []
     for err in exc.errors():
         key, origin = _origin_of(tuple(err["loc"]), merged, where)
         if err["type"] == "extra_forbidden":
-            lines.append(f"{origin}: unknown key '{key}'")
+            lines.append(f"{origin}: unknown key '{key}'{_unknown_key_hint(tuple(err['loc']), merged, where)}")
         else:
             shown = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
             lines.append(f"{origin}: {key}: {err['msg']}{shown}")
@@ -207,11 +274,12 @@ def _prime_rl_names(merged: dict[str, Any], where: dict[tuple[str, ...], Origin]
         loss["type"] = PRIME_RL_LOSS_TYPES[loss["type"]]
 
 
-def load_config(args: list[str] | None = None) -> RunConfig:
-    """Compose defaults, presets and overrides into a validated RunConfig."""
+def load_config(args: list[str] | None = None, before: list[tuple[str, dict[str, Any]]] = ()) -> RunConfig:
+    """Compose defaults, presets and overrides into a validated RunConfig; `before`: (origin,
+    partial config) sources applied ahead of `args` (a run's recorded config and its changes)."""
     merged: dict[str, Any] = {}
     where: dict[tuple[str, ...], Origin] = {}
-    for order, (origin, partial) in enumerate(parse_sources(args or [])):
+    for order, (origin, partial) in enumerate([*before, *parse_sources(args or [])]):
         _merge(merged, partial, (order, origin), where)
     _prime_rl_names(merged, where)
     try:

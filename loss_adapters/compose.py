@@ -100,18 +100,18 @@ def _rl_channel(
     token_count: Tensor | int | None,
     chunk_size: int,
     temperature: float,
-) -> tuple[Tensor, dict[str, Tensor]]:
+) -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor]]:
+    """The RL loss, its metrics (means over the micro-batch's tokens) and the token count of each mean."""
     loss_mask = batch["loss_mask"].bool()
     logprobs = sequence_token_logprobs(
         model, batch["input_ids"], chunk_size, temperature, loss_mask, **_forward_kwargs(batch, "")
     )
     total = logprobs.sum() * 0.0  # keeps a graph even when every sample is empty
-    per_metric: dict[str, list[Tensor]] = {}
-    tokens: list[Tensor] = []
+    per_metric: dict[str, list[tuple[Tensor, Tensor]]] = {}  # name -> (sample's mean, its token count)
     for row, start, end in sample_spans(batch):
         if not loss_mask[row, start:end].any():
             continue
-        tokens.append(loss_mask[row, start:end].sum().float())
+        tokens = loss_mask[row, start:end].sum()
         take = lambda key: batch[key][row, start:end] if key in batch else None  # noqa: E731, B023 - called within this iteration only
         out = fn(
             LossInputs(
@@ -124,19 +124,28 @@ def _rl_channel(
             )
         )
         total = total + out.loss
+        counts = getattr(out, "counts", {})  # PRIME-RL's own LossOutputs has none
         for name, value in out.metrics.items():
-            per_metric.setdefault(name, []).append(value.detach().float())
+            per_metric.setdefault(name, []).append((value.detach().float(), counts.get(name, tokens).float()))
     count = loss_mask.sum() if token_count is None else token_count
-    # A sample's metrics are means over its tokens: the micro-batch's are over all its tokens (a
-    # 2-token sample fully capped beside a 98-token one not capped is 2% capped, not 50%).
-    weights = torch.stack(tokens) if tokens else torch.zeros(0)
-    metrics = {
-        name: torch.stack(values).max()
-        if name.endswith(PEAK)
-        else (torch.stack(values) * weights).sum() / weights.sum()
-        for name, values in per_metric.items()
-    }
-    return total / torch.clamp_min(torch.as_tensor(count, dtype=total.dtype), 1), metrics
+    metrics, counts = _token_means(per_metric)
+    return total / torch.clamp_min(torch.as_tensor(count, dtype=total.dtype), 1), metrics, counts
+
+
+def _token_means(per_metric: dict[str, list[tuple[Tensor, Tensor]]]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """Per-sample means made means over all the samples' tokens, with those tokens' counts: a 2-token
+    sample fully capped beside a 98-token one not capped is 2% capped, not 50%; and a fraction of
+    the masked tokens is over the masked tokens alone (NaN where none was), not diluted by samples
+    with none. A `PEAK` metric is the samples' largest, and has no count."""
+    metrics, counts = {}, {}
+    for name, parts in per_metric.items():
+        values, weights = (torch.stack(column) for column in zip(*parts))
+        if name.endswith(PEAK):
+            metrics[name] = values.max()
+        else:
+            counts[name] = weights.sum()
+            metrics[name] = (values * weights).sum() / counts[name]
+    return metrics, counts
 
 
 def reference_sums(ref_model: nn.Module, batch: dict[str, Tensor], chunk_size: int) -> dict[str, Tensor]:
@@ -250,11 +259,15 @@ def compose_loss(
     no precomputed reference sums; `temperature` is the sampler's: the RL channel scores
     tokens under softmax(logits / temperature), the distribution their inference logprobs
     came from, so the importance ratio, the DPPO mask and the KL compare like with like.
+    The RL metrics' `counts` are the tokens each is a mean over, for the trainer to reduce them.
     """
     metrics: dict[str, Tensor] = {}
+    counts: dict[str, Tensor] = {}
     total: Tensor | None = None
     if all(k in batch for k in RL_KEYS):
-        rl, rl_metrics = _rl_channel(model, batch, rl_fn or rl_loss_fn(config), rl_token_count, chunk_size, temperature)
+        rl, rl_metrics, counts = _rl_channel(
+            model, batch, rl_fn or rl_loss_fn(config), rl_token_count, chunk_size, temperature
+        )
         total = rl
         metrics.update(rl_metrics)
         metrics["loss/rl"] = rl.detach()
@@ -274,4 +287,4 @@ def compose_loss(
             f"{RL_KEYS} and every other channel is off or has no inputs"
         )
     metrics["loss/total"] = total.detach()
-    return LossOutputs(loss=total, metrics=metrics)
+    return LossOutputs(loss=total, metrics=metrics, counts=counts)

@@ -37,10 +37,14 @@ class LossInputs:
 
 @dataclass
 class LossOutputs:
-    """A scalar loss (summed over the sample's tokens) and scalar metrics."""
+    """A scalar loss (summed over the sample's tokens) and scalar metrics. A metric that is a mean
+    over a subset of the loss-mask tokens (the masked ones, say) has that subset's token count in
+    `counts`, so that the trainer's means over samples, micro-batches and ranks are over those
+    tokens; any other is a mean over every loss-mask token. PRIME-RL reads `loss` and `metrics`."""
 
     loss: Tensor
     metrics: dict[str, Tensor]
+    counts: dict[str, Tensor] = field(default_factory=dict)
 
 
 LossFn = Callable[..., LossOutputs]
@@ -49,6 +53,14 @@ LossFn = Callable[..., LossOutputs]
 def _safe_mean(values: Tensor, mask: Tensor) -> Tensor:
     """Mean of `values` over `mask`, 0 when the mask is empty (PRIME-RL's metric convention)."""
     return values[mask].sum() / torch.clamp_min(mask.sum(), 1)
+
+
+def _outputs(loss: Tensor, metrics: dict[str, Tensor], over_subsets: dict[str, tuple[Tensor, Tensor]]) -> LossOutputs:
+    """`metrics` (means over the loss mask) and, for each (values, subset) of `over_subsets`, the
+    mean over that subset with its token count: an empty subset's 0 then weighs nothing."""
+    means = {name: _safe_mean(values, subset) for name, (values, subset) in over_subsets.items()}
+    counts = {name: subset.sum() for name, (_, subset) in over_subsets.items()}
+    return LossOutputs(loss=loss, metrics={**metrics, **means}, counts=counts)
 
 
 def _ref_logprobs(inputs: Any) -> Tensor | None:
@@ -100,15 +112,20 @@ def loss_fn(
     keep = mask & ~is_masked
     loss = _policy_loss(inputs, adv_tau * advantages, keep, log_ratio, ratio, kl_tau)
     metrics = {
-        "masked_mismatch_kl": _safe_mean(mismatch_kl, dropped),
-        "unmasked_mismatch_kl": _safe_mean(mismatch_kl, keep),
         "is_masked": _safe_mean(is_masked, mask),
         "is_masked_low": _safe_mean(negative & too_low, mask),
         "is_masked_high": _safe_mean(positive & too_high, mask),
-        "masked_advantage_positive": _safe_mean(positive, dropped),
-        "masked_advantage_negative": _safe_mean(negative, dropped),
     }
-    return LossOutputs(loss=loss, metrics=metrics)
+    return _outputs(
+        loss,
+        metrics,
+        {
+            "masked_mismatch_kl": (mismatch_kl, dropped),
+            "unmasked_mismatch_kl": (mismatch_kl, keep),
+            "masked_advantage_positive": (positive, dropped),
+            "masked_advantage_negative": (negative, dropped),
+        },
+    )
 
 
 def ipo_loss_fn(inputs: Any, ipo_threshold: float = 0.1, adv_tau: float = 1.0, kl_tau: float = 1e-3) -> LossOutputs:
@@ -118,12 +135,8 @@ def ipo_loss_fn(inputs: Any, ipo_threshold: float = 0.1, adv_tau: float = 1.0, k
     is_masked = torch.abs(prob_diff) > ipo_threshold
     keep = mask & ~is_masked
     loss = _policy_loss(inputs, adv_tau * inputs.advantages, keep, log_ratio, ratio, kl_tau)
-    metrics = {
-        "masked_mismatch_kl": _safe_mean(mismatch_kl, mask & is_masked),
-        "unmasked_mismatch_kl": _safe_mean(mismatch_kl, keep),
-        "is_masked": _safe_mean(is_masked, mask),
-    }
-    return LossOutputs(loss=loss, metrics=metrics)
+    split = {"masked_mismatch_kl": (mismatch_kl, mask & is_masked), "unmasked_mismatch_kl": (mismatch_kl, keep)}
+    return _outputs(loss, {"is_masked": _safe_mean(is_masked, mask)}, split)
 
 
 def ref_kl_loss_fn(inputs: Any, mask_low: float = 0.2, kl_tau: float = 1e-3) -> LossOutputs:
@@ -141,10 +154,9 @@ def ref_kl_loss_fn(inputs: Any, mask_low: float = 0.2, kl_tau: float = 1e-3) -> 
     keep = mask & ~is_masked
     ref_kl = ref - inputs.trainer_logprobs
     loss = _policy_loss(inputs, ref_kl.detach(), keep, log_ratio, ratio, kl_tau)
-    metrics = {
-        "ref_kl/masked_mismatch_kl": _safe_mean(mismatch_kl, mask & is_masked),
-        "ref_kl/unmasked_mismatch_kl": _safe_mean(mismatch_kl, keep),
-        "ref_kl/is_masked": _safe_mean(is_masked, mask),
-        "ref_kl": _safe_mean(ref_kl, mask),
+    metrics = {"ref_kl/is_masked": _safe_mean(is_masked, mask), "ref_kl": _safe_mean(ref_kl, mask)}
+    split = {
+        "ref_kl/masked_mismatch_kl": (mismatch_kl, mask & is_masked),
+        "ref_kl/unmasked_mismatch_kl": (mismatch_kl, keep),
     }
-    return LossOutputs(loss=loss, metrics=metrics)
+    return _outputs(loss, metrics, split)

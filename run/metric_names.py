@@ -50,7 +50,8 @@ METRICS: dict[str, dict[str, str]] = {
     },
     "Throughput and time": {
         "rollout_tokens_per_s": "Sampled tokens of the fresh rollouts per second of time/generate.",
-        "train_tokens_per_s": "RL loss-mask tokens (all ranks) per second of time/train.",
+        "train_tokens_per_s": "RL loss-mask tokens (all ranks) per second of time/train (null on a step that "
+        "trained no RL row).",
         "time/step": "Wall seconds of the whole step, from feeding the generators to the record.",
         "time/generate": "Seconds from the step's first group starting to its last group finishing.",
         "time/wait_rollouts": "Seconds the controller waited for (and refilled) rollouts before training.",
@@ -74,20 +75,27 @@ METRICS: dict[str, dict[str, str]] = {
     },
     "Losses": {
         "loss/total": "loss/rl + replay weight · loss/replay + SDPO weight · loss/sdpo "
-        "(+ trainer.router_aux_loss_coef · moe/aux_loss).",
+        "(+ trainer.router_aux_loss_coef · moe/aux_loss), over the channels that had rows (null on a step "
+        "where none had: no informative rollout, pair or recovery token).",
         "loss/rl": "RL loss per loss-mask token (absent when no rollout had a non-zero advantage).",
         "loss/replay": "Replay channel's DPO or SimPO loss, unweighted (steps with pairs).",
         "loss/sdpo": "SDPO channel's self-distillation loss at tool-error recovery tokens, unweighted.",
-        "masked_mismatch_kl": "dppo_kl / ipo: trainer-vs-sampler KL (nats) over the tokens the trust region masked.",
-        "unmasked_mismatch_kl": "dppo_kl / ipo: trainer-vs-sampler KL (nats) over the tokens that kept their gradient.",
+        "masked_mismatch_kl": "dppo_kl / ipo: trainer-vs-sampler KL (nats) over the step's tokens the trust region "
+        "masked, on every rank (null on a step where it masked none).",
+        "unmasked_mismatch_kl": "dppo_kl / ipo: trainer-vs-sampler KL (nats) over the step's tokens that kept their "
+        "gradient (null on a step where none did).",
         "is_masked": "dppo_kl / ipo: fraction of loss-mask tokens the trust region masked.",
         "is_masked_low": "dppo_kl: fraction masked because a negative-advantage token's probability fell too far.",
         "is_masked_high": "dppo_kl: fraction masked because a positive-advantage token's probability rose too far.",
-        "masked_advantage_positive": "dppo_kl: of the masked tokens, the fraction with a positive advantage.",
-        "masked_advantage_negative": "dppo_kl: of the masked tokens, the fraction with a negative advantage.",
+        "masked_advantage_positive": "dppo_kl: of the step's masked tokens (every sample and rank), the fraction "
+        "with a positive advantage (null on a step where none was masked).",
+        "masked_advantage_negative": "dppo_kl: of the step's masked tokens (every sample and rank), the fraction "
+        "with a negative advantage (null on a step where none was masked).",
         "ref_kl": "ref_kl: mean (reference − policy) logprob over loss-mask tokens, nats.",
-        "ref_kl/masked_mismatch_kl": "ref_kl: trainer-vs-sampler KL (nats) over the masked tokens.",
-        "ref_kl/unmasked_mismatch_kl": "ref_kl: trainer-vs-sampler KL (nats) over the kept tokens.",
+        "ref_kl/masked_mismatch_kl": "ref_kl: trainer-vs-sampler KL (nats) over the step's masked tokens (null "
+        "on a step where none was masked).",
+        "ref_kl/unmasked_mismatch_kl": "ref_kl: trainer-vs-sampler KL (nats) over the step's kept tokens (null "
+        "on a step where none was kept).",
         "ref_kl/is_masked": "ref_kl: fraction of loss-mask tokens masked (probability fell more than mask_low).",
         "tis/capped": "tis: fraction of loss-mask tokens whose importance weight was truncated at cap.",
         "tis/ratio_mean": "tis: mean importance weight over loss-mask tokens, before truncation.",

@@ -3,6 +3,7 @@ as PNGs in DIR/plots/."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +33,9 @@ def plot(run: str | Path) -> list[Path]:
     for name, keys in figures.items():
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for key in keys:
-            if any(key in r for r in records):
-                ax.plot(steps, [float("nan") if r.get(key) is None else r[key] for r in records], label=key)
+            values = series(records, key)
+            if not all(math.isnan(v) for v in values):  # markers: a value between two gaps still shows
+                ax.plot(steps, values, label=key, marker=".", markersize=3)
         ax.set_xlabel("step")
         ax.set_title(name)
         ax.legend(fontsize=8)
@@ -45,6 +47,12 @@ def plot(run: str | Path) -> list[Path]:
     if run_dir.read_timeline():
         written.append(plot_timeline(run_dir, out / "timeline.png", plt))
     return written
+
+
+def series(records: list[dict[str, Any]], key: str) -> list[float]:
+    """A key's value at each record, NaN (a gap in the curve, not a 0) where the step had none:
+    the key absent, or null in metrics.jsonl (NaN when written: a loss channel without rows)."""
+    return [math.nan if r.get(key) is None else float(r[key]) for r in records]
 
 
 def plot_timeline(run_dir: RunDir, path: Path, plt: Any, last_steps: int = 6) -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from typing import Any
@@ -14,8 +15,9 @@ SHOWN = ("reward/mean", "loss/total", "loss/rl", "loss/replay", "loss/sdpo", "ro
 
 
 def _summary(record: dict[str, Any]) -> str:
-    parts = [f"{k.split('/')[-1] if k != 'reward/mean' else 'reward'} {record[k]:.3g}" for k in SHOWN if k in record]
-    return " | ".join(parts)
+    """The shown keys the step has a value of (a loss that is NaN had no rows: left out, not 'nan')."""
+    shown = [k for k in SHOWN if k in record and math.isfinite(record[k])]
+    return " | ".join(f"{k.split('/')[-1] if k != 'reward/mean' else 'reward'} {record[k]:.3g}" for k in shown)
 
 
 class Progress:

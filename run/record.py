@@ -97,7 +97,7 @@ def step_record(f: StepFacts) -> dict[str, Any]:
         **f.evaluation,
         **(_ingress(f.fresh, f.ingress) if f.ingress is not None else {}),
         "rollout_tokens_per_s": len(sampled) / max(f.times.generate, 1e-9),
-        "train_tokens_per_s": f.rl.tokens / max(f.times.train, 1e-9),
+        "train_tokens_per_s": f.rl.tokens / max(f.times.train, 1e-9) if f.rl.tokens else float("nan"),
         "time/step": f.times.step,
         "time/generate": f.times.generate,
         "time/wait_rollouts": f.times.wait_rollouts,

@@ -83,6 +83,38 @@ def test_rl_metrics_are_means_over_tokens_not_over_samples(tiny_lm):
     assert out.metrics["tis/ratio_max"].item() == pytest.approx(math.exp(2.0), rel=1e-4)  # a largest value: the max
 
 
+def _masked_and_kept(model, seed: int) -> list[dict[str, torch.Tensor]]:
+    """Two samples: every token of the first has A < 0 and a probability the sampler put at 0.95 (so
+    dppo_kl masks it, Δp < −0.2); the second is on-policy with A > 0, so none of it is masked."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for length, adv, masked in [(6, -1.0, True), (41, 1.0, False)]:
+        ids = torch.randint(0, V, (length,), generator=g)
+        mask = torch.arange(length) > 0  # the first token is the prompt
+        sampler = torch.full((length,), math.log(0.95)) if masked else _model_logprobs(model, ids[None])[0].detach()
+        samples.append({"input_ids": ids, "loss_mask": mask, "advantages": torch.full((length,), adv),
+                        "inference_logprobs": sampler * mask})  # fmt: skip
+    return samples
+
+
+def test_metrics_of_the_masked_tokens_are_over_those_tokens_alone(tiny_lm):
+    """Every masked token has A < 0, so masked_advantage_negative is 1 whatever the unmasked sample
+    beside it (a per-sample mean weighed by all its tokens gave 5/45); no masked token at all is NaN."""
+    samples = _masked_and_kept(tiny_lm, 0)
+    out = compose_loss(tiny_lm, _packed(samples), DppoKlLoss())
+    assert out.metrics["masked_advantage_negative"].item() == 1.0
+    assert out.metrics["masked_advantage_positive"].item() == 0.0
+    assert out.metrics["is_masked"].item() == pytest.approx(5 / 45)
+    own = loss_fn(LossInputs(_model_logprobs(tiny_lm, samples[0]["input_ids"][None])[0], samples[0]["inference_logprobs"],
+                             None, samples[0]["advantages"], samples[0]["loss_mask"]))  # fmt: skip
+    assert out.metrics["masked_mismatch_kl"].item() == pytest.approx(own.metrics["masked_mismatch_kl"].item(), rel=1e-6)
+    assert out.counts["masked_advantage_negative"].item() == 5 and out.counts["unmasked_mismatch_kl"].item() == 40
+    on_policy = compose_loss(tiny_lm, _packed(samples[1:]), DppoKlLoss())
+    assert math.isnan(on_policy.metrics["masked_advantage_negative"].item())
+    assert math.isnan(on_policy.metrics["masked_mismatch_kl"].item())
+    assert on_policy.counts["masked_mismatch_kl"].item() == 0
+
+
 def test_packed_rows_equal_padded_rows(tiny_lm):
     samples = _samples(3)
     packed = compose_loss(tiny_lm, _packed(samples), DppoKlLoss())

@@ -13,8 +13,10 @@ from meshrl.configs import (
     CustomLoss,
     DppoKlLoss,
     IpoLoss,
+    MisLoss,
     RefKlLoss,
     RunConfig,
+    TisLoss,
     load_config,
     to_toml,
 )
@@ -42,7 +44,8 @@ def _write(tmp_path: Path, name: str, text: str) -> Path:
 
 def test_presets_are_found():
     names = {p.name for p in PRESETS}
-    assert {"local.toml", "dppo_kl.toml", "ipo.toml", "ref_kl.toml", "custom.toml", "simpo.toml"} <= names
+    assert {"local.toml", "dppo_kl.toml", "ipo.toml", "ref_kl.toml", "custom.toml", "simpo.toml", "tis.toml",
+            "mis.toml"} <= names  # fmt: skip
 
 
 def test_defaults_validate():
@@ -321,6 +324,43 @@ def test_knob_of_other_recipe_refused():
     assert "unknown key 'loss.ipo_threshold'" in message
     message = _error(["--loss.type", "ref_kl", "--loss.adv_tau", "1"])
     assert "unknown key 'loss.adv_tau'" in message
+
+
+def test_a_later_loss_type_that_refuses_a_preset_s_knobs_is_named():
+    """The preset's knob is not the mistake alone: the command line's loss.type swapped the recipe under it."""
+    preset = CONFIGS / "dppo_kl.toml"
+    message = _error(["@", str(preset), "--loss.type", "tis"])
+    assert (f"{preset}: unknown key 'loss.dppo_mask_low' for loss.type 'tis' (set on the command line), which "
+            "takes: level, adv_tau, kl_tau, cap, replay, sdpo") in message  # fmt: skip
+    mis = CONFIGS / "mis.toml"
+    message = _error(["@", str(mis), "--loss.dppo_mask_low", "0.1"])
+    assert f"for loss.type 'mis' (set in {mis}), which takes: level, adv_tau, kl_tau, low, high" in message
+    message = _error(["--loss.ipo_threshold", "1"])
+    assert "unknown key 'loss.ipo_threshold' for loss.type 'dppo_kl' (the default)" in message
+    message = _error(["--teachers.members", '[{"backend": "hf", "name": "a", "path": "/m", "bogus": 1}]'])
+    assert "for teachers.members.0.backend 'hf' (set on the command line), which takes: name, path" in message
+
+
+@pytest.mark.parametrize(
+    ("args", "suggestion"),
+    [
+        (["--trainer.lrr", "1"], "unknown key 'trainer.lrr' — did you mean 'trainer.lr'?"),
+        (["--trainr.lr", "1"], "unknown key 'trainr' — did you mean 'trainer'?"),
+        (["--loss.replay.wieght", "1"], "unknown key 'loss.replay.wieght' — did you mean 'loss.replay.weight'?"),
+        (["--loss.type", "tis", "--loss.capp", "1"], "which takes: level, adv_tau, kl_tau, cap, replay, sdpo — did you "
+         "mean 'loss.cap'?"),
+    ],
+)  # fmt: skip
+def test_a_misspelled_key_suggests_the_nearest_valid_one(args, suggestion):
+    assert suggestion in _error(args)
+    assert "did you mean" not in _error(["--trainer.no_such_key", "1"])
+
+
+def test_tis_and_mis_presets_select_their_recipes():
+    tis = load_config(["@", str(LOCAL), "@", str(CONFIGS / "tis.toml")]).loss
+    assert isinstance(tis, TisLoss) and (tis.level, tis.cap) == ("token", 2.0) and tis.replay.weight == 0.1
+    mis = load_config(["@", str(CONFIGS / "mis.toml"), "--loss.level", "sequence"]).loss
+    assert isinstance(mis, MisLoss) and (mis.level, mis.low, mis.high) == ("sequence", 0.125, 8.0)
 
 
 def test_unknown_loss_type_refused():

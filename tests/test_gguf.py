@@ -122,7 +122,7 @@ def test_smollm2_trains_in_bf16_with_an_exact_reference_and_sampler_parity(smoll
     torch.testing.assert_close(scored, torch.tensor(turn.logprobs), rtol=0, atol=1e-4)
 
     core = TrainerCore(config, smollm2)
-    _, metrics = core._loss(dpo_batch(3, len(tok), length=16))
+    _, metrics, _ = core._loss(dpo_batch(3, len(tok), length=16))
     assert metrics["replay/margin"] == 0
     mask = torch.zeros_like(ids, dtype=torch.bool)
     mask[0, len(prompt) :] = True

@@ -54,13 +54,13 @@ def test_the_load_balancing_loss_is_transformers_and_trains_a_skewed_router(tmp_
             layer.mlp.gate.weight[0] += 2 * layer.mlp.gate.weight[1:].abs().max()
     batch = rl_batch(core.model, 0)
     tokens = float(batch["loss_mask"].sum())
-    loss, metrics = core._loss(batch, tokens)
+    loss, metrics, _ = core._loss(batch, tokens)
     with torch.no_grad():
         expected = core.model(batch["input_ids"], output_router_logits=True).aux_loss
     assert metrics["moe/aux_loss"] == pytest.approx(float(expected), rel=1e-6)
     plain = TrainerCore(load_config(MOE), path)
     plain.model.load_state_dict(core.model.state_dict())
-    without, _ = plain._loss(batch, tokens)
+    without, _, _ = plain._loss(batch, tokens)
     assert float(loss - without) == pytest.approx(0.5 * float(expected), rel=1e-5)
 
     still = {**batch, "advantages": torch.zeros_like(batch["advantages"])}

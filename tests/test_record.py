@@ -64,6 +64,12 @@ def test_keys_that_belong_to_a_setting_appear_only_with_it():
     assert "reasoning/tokens" in thinking and not math.isnan(thinking["reasoning/tokens"])
 
 
+def test_a_step_that_trained_no_rl_row_has_no_training_throughput():
+    """NaN (null in metrics.jsonl, a gap in throughput.png), not 0 tokens per second."""
+    record = step_record(_facts(rl=RlShards([[]], tokens=0, truncated=0)))
+    assert math.isnan(record["train_tokens_per_s"]) and record["rollout_tokens_per_s"] == 1.5
+
+
 def test_a_timeline_hands_over_a_step_s_spans_once():
     timeline = Timeline()
     timeline.add("trainer", 1.0, 2.0, 0)

@@ -3,6 +3,7 @@ embeddings and grouped-query attention)."""
 
 from __future__ import annotations
 
+import math
 import threading
 
 import pytest
@@ -13,7 +14,7 @@ from meshrl.loss_adapters.logprobs import sequence_token_logprobs
 from meshrl.models.tiny import ensure_tiny
 from meshrl.trainer import checkpoint
 from meshrl.trainer import core as core_module
-from meshrl.trainer.core import TrainerCore, grad_buckets
+from meshrl.trainer.core import TrainerCore, Weighted, grad_buckets
 from tests.test_trainer import dpo_batch, rl_batch
 
 QWEN_TIED = [
@@ -48,7 +49,7 @@ def test_tied_embeddings_with_a_dpo_reference_checkpoint_and_resume(tmp_path, dt
         resumed.save(tmp_path / "same")
         again = TrainerCore(config, model_path)
         again.load(tmp_path / "same")
-        _, metrics = again._loss(dpo_batch(2, vocab))
+        _, metrics, _ = again._loss(dpo_batch(2, vocab))
         assert metrics["replay/margin"] == 0
 
 
@@ -102,7 +103,7 @@ def test_the_dpo_reference_is_the_starting_policy_exactly_in_bfloat16(tmp_path):
     β·margin is 0 exactly (a bf16 copy of the reference gave -2.0e-3 on this shape)."""
     config = load_config([*QWEN_TIED, "--model.dtype", "bfloat16", "--loss.replay.weight", "0.5"])
     core = TrainerCore(config, str(ensure_tiny(tmp_path / "model", config.model.tiny)))
-    _, metrics = core._loss(dpo_batch(2, core.model.config.vocab_size))
+    _, metrics, _ = core._loss(dpo_batch(2, core.model.config.vocab_size))
     assert metrics["replay/margin"] == 0 and metrics["replay/reward_chosen"] == 0
 
 
@@ -132,6 +133,30 @@ def test_ref_kl_scores_its_reference_and_distills_toward_it(tmp_path):
     assert gaps[0] > 0.1 and gaps[-1] < 0.5 * gaps[0], gaps
     with pytest.raises(ValueError, match="loss.reference_path"):
         load_config(["--loss.type", "ref_kl", "--loss.reference_path", teacher, "--loss.replay.weight", "0.1"])
+
+
+def test_a_step_s_masked_token_metrics_are_over_its_masked_tokens(tmp_path):
+    """Two micro-batches: in one every loss token is masked (A < 0, the sampler put it at 0.95), in
+    the other none is. Every masked token has A < 0: 1.0, not 0.5 (the micro-batches' means weighed
+    by all their tokens). A step with nothing masked logs NaN (null), one with no rows no loss/total."""
+    config = load_config(QWEN_TIED)
+    core = TrainerCore(config, str(ensure_tiny(tmp_path / "model", config.model.tiny)))
+    masked = rl_batch(core.model, 1)
+    mask = masked["loss_mask"]
+    masked.update(advantages=-mask.float(), inference_logprobs=math.log(0.95) * mask)
+    step = core.train_step([[masked, rl_batch(core.model, 2)]], [None], rl_tokens=20)
+    assert step["masked_advantage_negative"] == 1.0 and step["masked_advantage_positive"] == 0.0
+    assert step["is_masked"] == 0.5
+    assert math.isnan(core.train_step([[rl_batch(core.model, 3)]], [None], rl_tokens=10)["masked_advantage_negative"])
+    assert math.isnan(core.train_step([[]], [None], rl_tokens=0)["loss/total"])
+
+
+def test_a_mean_over_no_item_is_nan_not_zero():
+    weighted = Weighted()
+    weighted.add("masked_mismatch_kl", math.nan, 0.0)  # a micro-batch with nothing masked
+    assert math.isnan(weighted.reduced(1)["masked_mismatch_kl"])
+    weighted.add("masked_mismatch_kl", 0.5, 4.0)
+    assert weighted.reduced(1) == {"masked_mismatch_kl": 0.5}
 
 
 def test_gradient_buckets_bound_each_all_reduce_copy():

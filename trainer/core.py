@@ -154,7 +154,9 @@ class Weighted:
         self.parts: dict[str, list[float]] = {}  # name -> [Σ mean × weight (PEAK: the largest), Σ weight]
 
     def add(self, name: str, mean: float, weight: float) -> None:
-        self._merge(name, mean if name.endswith(PEAK) else mean * weight, weight)
+        """A mean over `weight` items; over none (a NaN mean, say, of the masked tokens where none
+        was) it adds the name alone."""
+        self._merge(name, mean if name.endswith(PEAK) else mean * weight if weight else 0.0, weight)
 
     def _merge(self, name: str, value: float, weight: float) -> None:
         part = self.parts.setdefault(name, [-math.inf if name.endswith(PEAK) else 0.0, 0.0])
@@ -162,7 +164,8 @@ class Weighted:
         part[1] += weight
 
     def reduced(self, world: int) -> dict[str, float]:
-        """Σ mean × weight / Σ weight over the ranks (a collective: every rank calls it once a step)."""
+        """Σ mean × weight / Σ weight over the ranks, NaN where no rank had an item (a collective:
+        every rank calls it once a step)."""
         gathered = [self.parts]
         if world > 1:
             gathered = [{} for _ in range(world)]
@@ -172,9 +175,8 @@ class Weighted:
             for name, (value, weight) in parts.items():
                 total._merge(name, value, weight)
         return {
-            name: value if name.endswith(PEAK) else value / weight
+            name: value if name.endswith(PEAK) else value / weight if weight else math.nan
             for name, (value, weight) in total.parts.items()
-            if weight
         }
 
 
@@ -319,25 +321,28 @@ class TrainerCore:
             batch = {**batch, **sums}
         return batch
 
-    def _loss(self, batch: dict[str, Any], rl_token_count: float | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
-        """The composed loss of one batch, through `ModelCall` (so FSDP2's root hooks run)."""
+    def _loss(
+        self, batch: dict[str, Any], rl_token_count: float | None = None
+    ) -> tuple[torch.Tensor, dict[str, Any], dict[str, torch.Tensor]]:
+        """The composed loss of one batch, through `ModelCall` (so FSDP2's root hooks run), its
+        metrics and the token count of each RL metric."""
 
-        def fn(model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
+        def fn(model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any], dict[str, Any]]:
             out = compose_loss(
                 model, batch, self.config.loss, rl_fn=self.rl_fn, rl_token_count=rl_token_count,
                 chunk_size=self.config.model.logprob_chunk_size, temperature=self.config.generator.temperature,
             )  # fmt: skip
-            return out.loss, out.metrics
+            return out.loss, out.metrics, out.counts
 
         balanced = self.router is not None and self.config.trainer.router_aux_loss_coef > 0 and rl_token_count
         with self._autocast(), self.router.keeping() if balanced else nullcontext():
-            loss, metrics = self.call(fn, self._with_reference(_to(batch, self.device)))
+            loss, metrics, counts = self.call(fn, self._with_reference(_to(batch, self.device)))
         balance = self.router.balance_loss() if balanced else None
         if balance is not None:  # an RL pass of a mixture of experts: weighted by its share of the tokens
             share = float(batch["loss_mask"].sum()) / rl_token_count
             loss = loss + self.config.trainer.router_aux_loss_coef * balance * share
             metrics["moe/aux_loss"] = float(balance.detach())
-        return loss, metrics
+        return loss, metrics, counts
 
     def _passes(self, shards: list[list[dict[str, Any]]], rank: int) -> list[tuple[dict[str, Any], float]]:
         """Rank `rank`'s batches at weight 1. Under FSDP2 every rank must run as many
@@ -370,14 +375,14 @@ class TrainerCore:
         if self.router is not None:
             self.router.take()  # what the last step's other forwards (a warm start, a checkpoint) counted
         for batch, weight in self._passes(rl_shards, rank):
-            loss, out = self._loss(batch, max(1, rl_tokens) / self.world)
+            loss, out, counts = self._loss(batch, max(1, rl_tokens) / self.world)
             (loss * weight).backward()
             if weight:
                 rank_loss += float(out.pop("loss/rl"))  # the rank's loss: its micro-batches' parts summed
-                tokens = float(batch["loss_mask"].sum())  # the RL metrics are token means: weigh by tokens
+                tokens = float(batch["loss_mask"].sum())  # the RL metrics are token means: weigh by their tokens
                 for name, value in out.items():
                     if name != "loss/total":
-                        weighted.add(name, float(value), tokens)
+                        weighted.add(name, float(value), float(counts.get(name, tokens)))
         if any(rl_shards):
             weighted.add("loss/rl", rank_loss, 1.0)  # the step's loss: the ranks' mean (DDP averages their gradients)
         for channel in self._aux_channels():
@@ -389,7 +394,7 @@ class TrainerCore:
             counts_by_rank = [_aux_count(channel, part) if part else 0 for part in parts]
             share = self.world * counts_by_rank[rank] / max(1, sum(counts_by_rank))
             for batch, weight in self._passes(shards, rank):
-                loss, out = self._loss(batch)
+                loss, out, _ = self._loss(batch)
                 (loss * weight * share).backward()
                 for name, value in out.items() if weight else ():  # means over pairs or recovery tokens
                     if name not in ("loss/total", "sdpo/tokens"):
@@ -401,16 +406,23 @@ class TrainerCore:
         metrics = weighted.reduced(self.world)
         if sdpo_tokens:
             metrics["sdpo/tokens"] = sdpo_tokens
-        metrics["loss/total"] = (
-            metrics.get("loss/rl", 0.0)
-            + self.config.trainer.router_aux_loss_coef * metrics.get("moe/aux_loss", 0.0)
-            + self.config.loss.replay.weight * metrics.get("loss/replay", 0.0)
-            + self.config.loss.sdpo.weight * metrics.get("loss/sdpo", 0.0)
-        )
+        metrics["loss/total"] = self._total(metrics)
         metrics.update(self._apply())  # every DiLoCo-th step, the outer step runs in its hooks
         if self.islands is not None:
             metrics.update(self.islands.metrics())
         return metrics
+
+    def _total(self, metrics: dict[str, float]) -> float:
+        """The step's loss, each channel that had rows with its weight; NaN when none had any (no
+        informative rollout, no pair, no recovery token), not a loss of 0."""
+        weights = {
+            "loss/rl": 1.0,
+            "moe/aux_loss": self.config.trainer.router_aux_loss_coef,
+            "loss/replay": self.config.loss.replay.weight,
+            "loss/sdpo": self.config.loss.sdpo.weight,
+        }
+        parts = [weight * metrics[name] for name, weight in weights.items() if name in metrics]
+        return sum(parts) if parts else math.nan
 
     def _join_islands(self) -> None:
         from meshrl.trainer.islands import Islands  # the optional [islands] extra
