@@ -20,6 +20,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from meshrl.configs import ConfigError, RunConfig, load_config, to_toml
 from meshrl.configs.keys import config_keys, models_in
+from meshrl.configs.run_record import ALLOW_CHANGE, resume_config, run_record_of, run_sources
 from meshrl.traces.claude_code import TraceFormatError, ingest_claude_code
 
 CONFIG_FORMS = """config sources, applied left to right:
@@ -43,12 +44,34 @@ def _sections() -> str:
     return "\n".join(lines)
 
 
-def _sources_parser(sub: argparse._SubParsersAction, name: str, help_text: str) -> argparse.ArgumentParser:
+TRAIN_FLAGS = f"""flags:
+  --output-dir DIR      where the run writes (config, metrics, checkpoints, plots, final/)
+  --max-steps N         optimizer steps of the run (a resume may raise it)
+  --resume              continue the run in --output-dir from its newest checkpoint, with its own
+                        config.toml; sources given beside it apply on top
+  {ALLOW_CHANGE} let a resume change settings that alter training (recorded in
+                        DIR/config_changes.jsonl); without it such a change is refused
+  --overwrite           start over in an --output-dir that holds a run
+  --seed N              seed of every random stream
+  Ctrl-C (SIGINT) or SIGTERM once: stop after the step in flight, with a checkpoint (exit 130);
+  twice: stop at once"""
+
+EVAL_FLAGS = """flags:
+  --checkpoint PATH     a run directory (its newest checkpoint), one of its checkpoints, its final/, or
+                        an HF model directory; a run's own config.toml is the base config
+  --n N                 eval prompts (eval.n)
+  --k K                 samples per prompt (eval.k)
+  --out FILE.json       also write the metrics there"""
+
+
+def _sources_parser(
+    sub: argparse._SubParsersAction, name: str, help_text: str, flags: str = ""
+) -> argparse.ArgumentParser:
     parser = sub.add_parser(
         name,
         help=help_text,
         description=help_text,
-        epilog=f"{CONFIG_FORMS}\n\n{_sections()}",
+        epilog="\n\n".join(part for part in (flags, CONFIG_FORMS, _sections()) if part),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("sources", nargs="*", help="presets and overrides (see below)")
@@ -69,20 +92,40 @@ def _cmd_config_keys(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    config = load_config(args.sources)
+    from meshrl.run.preflight import preflight  # no torch: a refusal comes within a second
+
+    allow_change = ALLOW_CHANGE in args.sources
+    sources = [word for word in args.sources if word != ALLOW_CHANGE]
+    config = load_config(sources)
+    changes: dict = {}
+    if config.resume:  # the run's own record, with these sources on top
+        config, changes = resume_config(config, sources, allow_change)
+    preflight(config)
     tls = config.topology.tls
     if any(address.startswith("tls://") for address in config.topology.workers):
         from meshrl.topology.worker import tls_env
 
         os.environ.update(tls_env(tls.cert, tls.key, tls.ca))  # Monarch reads them when it loads, just below
     from meshrl.run.controller import train  # torch and Monarch load only when training
+    from meshrl.run.stopping import EXIT_INTERRUPTED, RunInterrupted, resume_hint
     from meshrl.topology.faults import RunStopped
 
     try:
-        run = train(config)
+        run = train(config, changes)
     except RunStopped as exc:
         print(f"meshrl: run stopped: {exc}", file=sys.stderr)
         return EXIT_STOPPED
+    except RunInterrupted as stopped:
+        print(f"meshrl: stopped after step {stopped.step} of {config.max_steps}; checkpoint {stopped.checkpoint}, "
+              f"plots in {stopped.root / 'plots'}. Continue with: {resume_hint(stopped.root)}", file=sys.stderr)  # fmt: skip
+        return EXIT_INTERRUPTED
+    except KeyboardInterrupt:  # a second stop signal (StopNow), or one before the signals were ours
+        from meshrl.run.run_dir import RunDir
+
+        latest = RunDir(config.output_dir).latest_checkpoint()
+        print(f"meshrl: stopped at once; newest complete checkpoint: {latest or 'none'}. "
+              f"Continue with: {resume_hint(Path(config.output_dir))}", file=sys.stderr)  # fmt: skip
+        return EXIT_INTERRUPTED
     print(f"run finished: {run}")
     return 0
 
@@ -113,7 +156,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     checkpoint, out, sources = _eval_options(args.sources)
     if checkpoint is None:
         raise ConfigError("meshrl eval needs --checkpoint DIR (a run, one of its checkpoints, or a model directory)")
-    config = load_config(sources)
+    record = run_record_of(checkpoint)
+    if record is not None:  # a run's checkpoint is scored on the run's own task and settings
+        print(f"config: {record}" + (" with the given sources on top" if sources else ""), flush=True)
+    config = load_config(sources, before=run_sources(record.parent) if record is not None else [])
     from meshrl.run.evaluate import evaluate_checkpoint
 
     try:
@@ -233,6 +279,9 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 
 
 def _cmd_lighthouse(args: argparse.Namespace) -> int:
+    from meshrl.run.preflight import check_port_free
+
+    check_port_free("--bind", args.bind)
     from meshrl.trainer.islands import serve_lighthouse
 
     lighthouse = serve_lighthouse(args.bind, args.min_islands, args.join_timeout_ms, args.heartbeat_timeout_ms)
@@ -291,14 +340,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"meshrl {importlib.metadata.version('meshrl')}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    train = _sources_parser(sub, "train", "train a policy with the resolved run config")
+    train = _sources_parser(sub, "train", "train a policy with the resolved run config", TRAIN_FLAGS)
     train.set_defaults(func=_cmd_train)
 
     eval_help = (
         "evaluate a saved policy on the task's eval prompts, greedy and sampled: mean reward, pass@1, pass@k "
         "(--checkpoint RUN|CHECKPOINT|MODEL_DIR, --n N prompts, --k K samples, --out FILE.json)"
     )
-    evaluate = _sources_parser(sub, "eval", eval_help)
+    evaluate = _sources_parser(sub, "eval", eval_help, EVAL_FLAGS)
     evaluate.set_defaults(func=_cmd_eval)
 
     plot = sub.add_parser("plot", help="draw reward, loss and throughput curves of a run into DIR/plots")
@@ -374,7 +423,9 @@ def build_parser() -> argparse.ArgumentParser:
     tasks = sub.add_parser("tasks", help=tasks_help, description=tasks_help)
     tasks_sub = tasks.add_subparsers(dest="tasks_command", required=True, metavar="ACTION")
     build_help = "build the task of the resolved config (--export FILE.jsonl: its tasks as SWE-bench-style instances)"
-    build = _sources_parser(tasks_sub, "build", build_help)
+    build = _sources_parser(
+        tasks_sub, "build", build_help, "flags:\n  --export FILE.jsonl   write the tasks as SWE-bench-style instances"
+    )
     build.set_defaults(func=_cmd_tasks_build)
 
     traces_help = "turn agent sessions into trace examples"

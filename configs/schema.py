@@ -756,7 +756,17 @@ class RunConfig(Section):
     max_steps: int = Field(100, ge=1, description="Optimizer steps of the run.")
     output_dir: str = Field("runs/local", min_length=1, description="Where config, metrics, checkpoints and plots go.")
     seed: int = Field(0, ge=0, description="Seed of every random stream in the run.")
-    resume: bool = Field(False, description="Continue from the newest complete checkpoint in output_dir.")
+    resume: bool = Field(
+        False,
+        description="Continue from the newest complete checkpoint in output_dir, with the run's own config.toml "
+        "(sources given beside it apply on top; a change that alters training needs --allow-config-change).",
+    )
+    deterministic: bool = Field(
+        False,
+        description="Records identical run to run and across a resume (times aside): on-policy generation, one "
+        "episode at a time per generator (generator.max_async_level 0, max_concurrent_episodes 1; "
+        "configs/deterministic.toml), and the controller waits for every teacher and eval round.",
+    )
     overwrite: bool = Field(
         False,
         description="Start over in an output_dir that holds a run: its checkpoints, metrics, plots, final "
@@ -778,6 +788,24 @@ class RunConfig(Section):
     def _resume_or_overwrite(self) -> RunConfig:
         if self.resume and self.overwrite:
             raise ValueError("resume and overwrite are both set: continue the run in output_dir, or start over there")
+        return self
+
+    @model_validator(mode="after")
+    def _deterministic(self) -> RunConfig:
+        """What a group samples with, and which step an answer lands in, must not depend on timing."""
+        if self.deterministic and self.generator.max_async_level != 0:
+            raise ValueError(
+                f"deterministic = true needs generator.max_async_level = 0 (got {self.generator.max_async_level}): "
+                "a group that may start on either of two policy versions samples with whichever is loaded first"
+            )
+        if self.deterministic and self.generator.max_concurrent_episodes != 1:
+            raise ValueError(
+                f"deterministic = true needs generator.max_concurrent_episodes = 1 (got "
+                f"{self.generator.max_concurrent_episodes}): episodes batched together sample from logits that "
+                "depend on which others share their batch, and that depends on when each one's tools answer"
+            )
+        if self.deterministic and self.ingress.bind is not None:
+            raise ValueError("deterministic = true with ingress.bind: outside workers answer when they answer")
         return self
 
     @model_validator(mode="after")

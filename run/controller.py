@@ -24,6 +24,7 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from meshrl.configs.loader import ConfigError, to_toml
+from meshrl.configs.run_record import record_changes
 from meshrl.configs.schema import RefKlLoss, RunConfig
 from meshrl.ingress.server import IngressServer
 from meshrl.models.gguf import ensure_gguf, is_gguf
@@ -43,10 +44,12 @@ from meshrl.run.progress import Progress
 from meshrl.run.record import StepFacts, StepTimes, Timeline, step_record
 from meshrl.run.run_dir import RunDir, write_atomic
 from meshrl.run.sinks import MetricSinks
+from meshrl.run.stopping import RunInterrupted, StopSignals
 from meshrl.run.streams import GroupStreams
 from meshrl.run.teachers import TeacherRounds, offline_states
 from meshrl.run.warm_start import warm_start
 from meshrl.run.weights import WeightPublisher
+from meshrl.sandbox.core import SandboxUnavailable
 from meshrl.tasks.base import make_task, task_tools
 from meshrl.topology.faults import HostLost, RunStopped, SupervisionError
 from meshrl.traces.collator import TraceCollator
@@ -114,7 +117,8 @@ class Controller:
 
     # ------------------------------------------------------------------ the loop
 
-    def train(self, progress: Progress, sinks: MetricSinks) -> None:
+    def train(self, progress: Progress, sinks: MetricSinks, stop: StopSignals) -> None:
+        """Steps to `max_steps`, or until a stop signal: then a checkpoint of the last step done."""
         self.weights.publish_ingress(self.step)  # no warm start and no resume: the initial weights
         while self.step < self.config.max_steps:
             record, lost = self._step()
@@ -124,9 +128,12 @@ class Controller:
             if lost is not None:
                 raise lost
             self.checkpointer.commit(wait=False)
-            if self.step % self.config.ckpt.interval == 0 or self.step == self.config.max_steps:
+            stopping = stop.received is not None
+            if self.step % self.config.ckpt.interval == 0 or self.step == self.config.max_steps or stopping:
                 self.save()
             self.run.append_timeline({"step": self.step - 1, "spans": self.timeline.take()})
+            if stopping:
+                break
         self.checkpointer.commit(wait=True)
 
     def _step(self) -> tuple[dict[str, Any], HostLost | None]:
@@ -229,30 +236,69 @@ class Controller:
         )
 
 
-def train(config: RunConfig) -> Path:
-    """Run (or resume) training; returns the run directory."""
+def train(config: RunConfig, changes: dict[str, Any] | None = None) -> Path:
+    """Run (or resume) training; returns the run directory. `changes`: what a resume changed in
+    the run's config (recorded beside it). The first SIGINT/SIGTERM stops the run after the step in
+    flight with a checkpoint (`RunInterrupted`); a second stops it at once (`StopNow`)."""
+    fresh_dir = not Path(config.output_dir).exists()
     run = RunDir(config.output_dir)
-    if config.overwrite:
-        run.clear()
-    elif not config.resume and run.earlier_run():
-        raise ConfigError(
-            f"output_dir {run.root} holds an earlier run ({'; '.join(run.earlier_run())}): pass --resume to "
-            "continue it, --overwrite to start over there, or choose another --output-dir"
-        )
-    write_atomic(run.root / "config.toml", to_toml(config))
-    controller = Controller(config)
-    controller.spawn()
+    run.lock()
     try:
-        resumed = config.resume and controller.resume()
-        if not resumed:
+        controller = starting(config, run, fresh_dir)
+        if not (config.resume and run.record.exists()):
+            write_atomic(run.record, to_toml(config))  # how the run started; a resume only appends its changes
+        latest = run.latest_checkpoint()
+        record_changes(run.root, changes or {}, latest.name if config.resume and latest else None)
+        with StopSignals() as stop:
+            running(controller, stop)
+        plot(run.root)
+        if stop.received is not None:
+            raise RunInterrupted(run.root, controller.step, run.latest_checkpoint())
+        export_model(run.latest_checkpoint() / "model", run.root / "final", config.model.dtype)
+        return run.root
+    finally:
+        run.unlock()
+
+
+def starting(config: RunConfig, run: RunDir, fresh_dir: bool) -> Controller:
+    """The controller, or a refusal in one line: what fails here (an earlier run in the directory, a
+    tokenizer, a chat template, a task, a sandbox) fails before any mesh is spawned, and leaves no
+    run directory where there was none."""
+    try:
+        if config.overwrite:
+            run.clear()
+        elif not config.resume and run.earlier_run():
+            raise ConfigError(
+                f"output_dir {run.root} holds an earlier run ({'; '.join(run.earlier_run())}): pass --resume to "
+                "continue it, --overwrite to start over there, or choose another --output-dir"
+            )
+        return Controller(config)
+    except BaseException as exc:
+        if fresh_dir:
+            run.remove()
+        if isinstance(exc, ValueError | OSError | SandboxUnavailable) and not isinstance(exc, ConfigError):
+            raise ConfigError(str(exc)) from None
+        raise
+
+
+def running(controller: Controller, stop: StopSignals) -> None:
+    """Spawn the meshes (they ignore Ctrl-C: it reaches the whole process group), resume or warm
+    start, train; the meshes are stopped however it ends."""
+    config, run = controller.config, controller.run
+    try:
+        with stop.children_ignore():
+            controller.spawn()
+        if config.resume and controller.resume():
+            print(f"resuming {run.root} from {run.latest_checkpoint()} (step {controller.step})", flush=True)
+        else:
             if config.resume:
-                print(f"no complete checkpoint in {run.checkpoints}; starting from step 0")
+                print(f"no complete checkpoint in {run.checkpoints}; starting from step 0", flush=True)
             run.keep_metrics_before(0)
             controller.warm_start()
         sinks = MetricSinks(config, run.root, controller.step)
         try:
             with Progress(config.metrics.progress, start=controller.step) as progress:
-                controller.train(progress, sinks)
+                controller.train(progress, sinks, stop)
         finally:
             sinks.close()
     except HostLost as lost:
@@ -261,6 +307,3 @@ def train(config: RunConfig) -> Path:
         raise controller.meshes.trainer_lost(exc) from None
     finally:
         controller.shutdown()
-    plot(run.root)
-    export_model(run.latest_checkpoint() / "model", run.root / "final", config.model.dtype)
-    return run.root

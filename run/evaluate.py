@@ -99,12 +99,13 @@ class BackgroundEval:
         evaluation (unless one is still running: skipped); a finished one's metrics go into this
         step's record. The last step evaluates the final policy and waits for it; the step before
         waits for a running round and starts none, so no round's result is left for the last
-        step's record, which holds the final policy's."""
+        step's record, which holds the final policy's. `deterministic`: every round is waited for,
+        and its metrics are in the record of the step it evaluated."""
         last, before_last = step == self.config.max_steps, step == self.config.max_steps - 1
         stats = self.done(wait=before_last)
         if (step % self.config.eval.interval == 0 and not before_last) or last:
             self.start(weights(), step)
-        return self.done(wait=True) if last else stats
+        return self.done(wait=True) if last or self.config.deterministic else stats
 
     def done(self, wait: bool = False) -> dict[str, float]:
         """The finished evaluation's metrics, or {} (none finished); `wait` waits for a running one.

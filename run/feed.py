@@ -192,7 +192,9 @@ class RolloutFeed:
                 self._arrived(group, slot_step, lane)
             if self.ingress is not None:
                 self._poll_ingress(step)
-        return self.requests.pop(step)
+        request = self.requests.pop(step)
+        request.groups.sort(key=drawn)  # the order they were drawn in, not the order they finished
+        return request
 
     def _poll_ingress(self, step: int) -> None:
         """Take the verified outside groups; what the ingress gives back (offers of this step
@@ -213,6 +215,11 @@ class RolloutFeed:
         """A finished group joins its step's request."""
         self.requests[step].groups.append(group)
         self.timeline.add(lane, group.started, group.finished, step)
+
+
+def drawn(group: FinishedGroup) -> int:
+    """Where the group was drawn in the run (`GroupStreams` keys groups `step/n`)."""
+    return int(group.key.rpartition("/")[2])
 
 
 def uninformative(group: FinishedGroup) -> bool:

@@ -1,6 +1,8 @@
 """What a run leaves in its output directory, written so that a kill never corrupts it.
 
-DIR/config.toml        resolved config
+DIR/config.toml        the resolved config the run started with (a resume never rewrites it)
+DIR/config_changes.jsonl  one dated line per resume that changed a setting (configs/run_record.py)
+DIR/.lock              held by the run using DIR: a second run there is refused
 DIR/metrics.jsonl      one strict JSON object per step, null where a value is NaN or infinite
                        (a resumed run rewrites it up to its step)
 DIR/checkpoints/step_N/  complete when it holds COMPLETE (every file and folder fsynced first,
@@ -18,6 +20,7 @@ hosts DIR must be one shared filesystem; `check_shared` refuses a DIR the traine
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
@@ -26,6 +29,8 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from meshrl.configs.loader import ConfigError
 
 COMPLETE = "COMPLETE"
 RUN_OUTPUTS = (
@@ -42,7 +47,12 @@ RUN_OUTPUTS = (
     "tensorboard",
     "wandb",
     "wandb_id",
+    "config_changes.jsonl",
 )  # `overwrite` clears
+
+
+class RunDirBusy(ConfigError):
+    """Another run holds the directory's lock."""
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -77,7 +87,35 @@ class RunDir:
         self.checkpoints = self.root / "checkpoints"
         self.metrics_path = self.root / "metrics.jsonl"
         self.timeline_path = self.root / "timeline.jsonl"
+        self.record = self.root / "config.toml"
         self.root.mkdir(parents=True, exist_ok=True)
+        self._lock: int | None = None
+
+    def lock(self) -> None:
+        """Hold DIR/.lock while this process lives (released when it exits, however it exits): a
+        second run in DIR is refused, naming the process that holds it."""
+        fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise RunDirBusy(
+                f"output_dir {self.root} is in use by another meshrl run (pid {holder}): wait for it to end, "
+                "or choose another --output-dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._lock = fd
+
+    def unlock(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)  # closing the descriptor releases the lock
+            self._lock = None
+
+    def remove(self) -> None:
+        """Remove DIR altogether (a start refused before anything ran in a directory it made)."""
+        shutil.rmtree(self.root, ignore_errors=True)
 
     # ------------------------------------------------------------------ a run already here
 

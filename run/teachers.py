@@ -8,6 +8,8 @@ teacher: a round still out is counted late and looked at again next step.
 
 from __future__ import annotations
 
+import base64
+import pickle
 import random
 import time
 from dataclasses import dataclass
@@ -84,8 +86,8 @@ class TeacherRounds:
         if pool is None:
             return {}
         for rank, pending in list(self.rounds.items()):
-            try:
-                reply: TeacherAnswers = pending.future.get(timeout=0.001)
+            try:  # deterministic: a round's answers are mined the step after it was sent, always
+                reply: TeacherAnswers = pending.future.get(timeout=None if self.config.deterministic else 0.001)
             except TimeoutError:
                 self.counts["late_rounds"] += 1
                 continue
@@ -107,15 +109,17 @@ class TeacherRounds:
         free = [rank for rank in range(len(pool)) if rank not in self.rounds]
         if free:
             states, contexts = self._states(rollouts)
-            spent = self.run_totals().get("usd_spent", 0.0)
             for i, rank in enumerate(free):
-                chunk, chunk_contexts = states[i :: len(free)], contexts[i :: len(free)]
-                if chunk:
-                    actor = pool[rank]
-                    elsewhere = spent - self.latest.get(rank, {}).get("usd_spent", 0.0)
-                    future = actor.replay.call_one([s.state_messages for s in chunk], chunk_contexts, elsewhere)
-                    self.rounds[rank] = _Round(actor, future, chunk, time.time())
+                if states[i :: len(free)]:
+                    self._send(rank, states[i :: len(free)], contexts[i :: len(free)])
         return {f"teacher/{k}": float(v) for k, v in {**self.run_totals(), **self.counts}.items()}
+
+    def _send(self, rank: int, states: list[ReplayState], contexts: list[dict[str, Any]]) -> None:
+        """A round of `states` to teacher actor `rank`, with what the run's other actors spent."""
+        actor = self.meshes.teachers[rank]
+        elsewhere = self.run_totals().get("usd_spent", 0.0) - self.latest.get(rank, {}).get("usd_spent", 0.0)
+        future = actor.replay.call_one([s.state_messages for s in states], contexts, elsewhere)
+        self.rounds[rank] = _Round(actor, future, states, contexts, time.time())
 
     def _states(self, rollouts: list[Rollout]) -> tuple[list[ReplayState], list[dict[str, Any]]]:
         """Up to `states_per_step` states: drawn evenly from every imperfect rollout's states, then
@@ -145,18 +149,33 @@ class TeacherRounds:
         return totals
 
     def state(self) -> dict[str, Any]:
-        """What a checkpoint keeps: the offline-state stream, the counters, the pairs not yet trained on."""
+        """What a checkpoint keeps: the offline-state stream, the counters, the pairs not yet trained
+        on, and the rounds still out (a resumed run sends them again: their pairs are not lost)."""
         return {
             "teacher_rng": rng_state(self.rng),
             "teacher_totals": self.run_totals(),
             "teacher_counts": self.counts,
             "pairs": [p.model_dump() for p in self.pairs],
+            "teacher_rounds": [
+                {"rank": rank, "states": [s.model_dump() for s in out.states], "contexts": _packed(out.contexts)}
+                for rank, out in sorted(self.rounds.items())
+            ],
         }
 
     def restore(self, state: dict[str, Any]) -> None:
         self.rng.setstate(rng_from(state["teacher_rng"]))
         self.totals, self.counts = state["teacher_totals"], state["teacher_counts"]
         self.pairs = [DpoPair.model_validate(p) for p in state["pairs"]]
+        pool = self.meshes.teachers
+        for out in state.get("teacher_rounds", []):  # absent from checkpoints of earlier versions
+            if pool is not None and out["rank"] < len(pool):
+                states = [ReplayState.model_validate(s) for s in out["states"]]
+                self._send(out["rank"], states, pickle.loads(base64.b64decode(out["contexts"])))
+
+
+def _packed(contexts: list[dict[str, Any]]) -> str:
+    """Contexts hold the task's Prompt objects (any answer type): pickled into the run's own checkpoint."""
+    return base64.b64encode(pickle.dumps(contexts)).decode()
 
 
 @dataclass
@@ -166,4 +185,5 @@ class _Round:
     actor: Any
     future: Any  # -> TeacherAnswers
     states: list[ReplayState]
+    contexts: list[dict[str, Any]]
     sent: float

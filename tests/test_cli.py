@@ -219,3 +219,67 @@ def test_config_keys_every_row_has_description():
     start = header.index("MEANING")
     empty = [line.split()[0] for line in lines if not line[start:].strip()]
     assert empty == []
+
+
+# --------------------------------------------------------------------------- start-up refusals
+
+
+def test_train_and_eval_help_list_their_flags():
+    train = meshrl("train", "--help").stdout
+    for flag in ("--output-dir DIR", "--max-steps N", "--resume", "--allow-config-change", "--overwrite", "Ctrl-C"):
+        assert flag in train, flag
+    evaluate = meshrl("eval", "--help").stdout
+    for flag in ("--checkpoint PATH", "--n N", "--k K", "--out FILE.json"):
+        assert flag in evaluate, flag
+    assert "--export FILE.jsonl" in meshrl("tasks", "build", "--help").stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--model.path", "/nonexistent/model"], "model.path: '/nonexistent/model': no such file or directory"),
+        (["--model.path", "./runs/missing"], "model.path: './runs/missing': no such file or directory"),
+        (["--model.path", str(LOCAL)], "is a file but not a .gguf model"),
+        (["--model.path", str(REPO / "configs")], "is a directory without config.json"),
+        (["--teachers.members", '[{"backend": "hf", "name": "t", "path": "/no/teacher"}]', "--teachers.min-agree", "1"],
+         "teachers.members[0].path: '/no/teacher': no such file or directory"),
+        (["--teachers.members", '[{"backend": "openai", "name": "t", "base_url": "http://x/v1", "model": "m", '
+          '"api_key_env": "MESHRL_NO_SUCH_KEY"}]', "--teachers.min-agree", "1"],
+         "teachers.members[0].api_key_env: the env var MESHRL_NO_SUCH_KEY"),
+    ],
+)  # fmt: skip
+def test_a_start_that_would_fail_is_refused_in_one_line_and_leaves_no_run_directory(tmp_path, args, needle):
+    out = tmp_path / "run"
+    result = meshrl("train", *args, "--output-dir", str(out), cwd=tmp_path)
+    assert result.returncode == 2 and needle in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_a_busy_port_is_refused_before_anything_starts(tmp_path):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        keys = tmp_path / "keys"
+        keys.mkdir()
+        ingress = ["--ingress.bind", f"tcp://127.0.0.1:{port}", "--ingress.server-key", str(keys / "c.key_secret"),
+                   "--ingress.authorized-keys", str(keys)]  # fmt: skip
+        result = meshrl("train", *ingress, "--output-dir", str(tmp_path / "run"), cwd=tmp_path)
+        assert result.returncode == 2 and f"ingress.bind: 'tcp://127.0.0.1:{port}'" in result.stderr, result.stderr
+        assert "in use by another process" in result.stderr and not (tmp_path / "run").exists()
+        lighthouse = meshrl("lighthouse", "--bind", f"127.0.0.1:{port}", cwd=tmp_path)
+        assert lighthouse.returncode == 2 and "--bind: '127.0.0.1:" in lighthouse.stderr, lighthouse.stderr
+
+
+def test_a_template_without_tool_calls_is_refused_in_one_line(tmp_path):
+    """A start that fails on the model's files (here its chat template) fails before any mesh, in one line."""
+    from meshrl.models.tiny import ensure_tiny
+
+    model = ensure_tiny(tmp_path / "model", load_config([]).model.tiny, seed=0)
+    template = (model / "chat_template.jinja").read_text()
+    (model / "chat_template.jinja").write_text(template.replace("tool_calls", "no_tool_calls"))
+    result = meshrl("train", "--model.path", str(model), "--output-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert result.returncode == 2 and "renders no tool calls" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()

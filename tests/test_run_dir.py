@@ -1,5 +1,6 @@
-"""The run directory: checkpoints durable before they count as complete, and a run directory
-the trainer cannot see refused, metrics as strict JSON."""
+"""The run directory: checkpoints durable before they count as complete, a run directory the
+trainer cannot see refused, metrics as strict JSON, one run at a time, and the run's config record
+that a resume and `meshrl eval` start from."""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from meshrl.run.run_dir import COMPLETE, RunDir
+from meshrl.configs import ConfigError, load_config, to_toml
+from meshrl.configs.run_record import record_changes, resume_config, run_record_of
+from meshrl.run.run_dir import COMPLETE, RunDir, RunDirBusy
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_everything_is_fsynced_before_the_complete_marker(tmp_path, monkeypatch):
@@ -65,3 +70,57 @@ def test_metrics_lines_are_strict_json(tmp_path):
     refuse = {"parse_constant": lambda token: pytest.fail(f"{token} in metrics.jsonl")}
     lines = [json.loads(line, **refuse) for line in run.metrics_path.read_text().splitlines()]
     assert lines == run.read_metrics() == [{"step": s, "grad_norm": None, "skipped_steps": 1} for s in (0, 1)]
+
+
+def test_a_second_run_in_a_locked_directory_is_refused_naming_the_holder(tmp_path):
+    first, second = RunDir(tmp_path / "run"), RunDir(tmp_path / "run")
+    first.lock()
+    with pytest.raises(RunDirBusy, match=rf"in use by another meshrl run \(pid {os.getpid()}\)"):
+        second.lock()
+    first.unlock()
+    second.lock()  # free again once the holder lets go (or exits)
+    second.unlock()
+
+
+def _recorded_run(tmp_path: Path, *args: str) -> Path:
+    """A run directory as `meshrl train` leaves it: its config record and a metrics file."""
+    out = tmp_path / "run"
+    out.mkdir()
+    config = load_config(["@", str(REPO / "configs" / "local.toml"), "--output-dir", str(out), *args])
+    (out / "config.toml").write_text(to_toml(config))
+    (out / "metrics.jsonl").write_text("")
+    return out
+
+
+def test_resume_starts_from_the_runs_record_and_refuses_changes_that_alter_training(tmp_path):
+    out = _recorded_run(tmp_path, "--trainer.lr", "3e-4")
+    bare = ["--output-dir", str(out), "--resume"]
+    config, changes = resume_config(load_config(bare), bare, allow_change=False)
+    assert config.trainer.lr == 3e-4 and config.teachers.members and config.task.kwargs["guess_rate"] == 0.5
+    assert changes == {}  # the preset forgotten: nothing changes
+    more = [*bare, "--max-steps", "90", "--metrics.tensorboard"]
+    config, changes = resume_config(load_config(more), more, allow_change=False)
+    assert config.max_steps == 90 and changes == {"max_steps": (60, 90), "metrics.tensorboard": (False, True)}
+    changed = [*bare, "--trainer.lr", "1e-4", "--task.kwargs", "{}"]
+    with pytest.raises(ConfigError) as refused:
+        resume_config(load_config(changed), changed, allow_change=False)
+    assert "trainer.lr 0.0001 (the run's: 0.0003)" in str(refused.value) and "task.kwargs {}" in str(refused.value)
+    assert "--allow-config-change" in str(refused.value)
+    config, changes = resume_config(load_config(changed), changed, allow_change=True)
+    assert config.trainer.lr == 1e-4 and set(changes) == {"trainer.lr", "task.kwargs"}
+    # Recorded, the changes are part of the run's config from then on; config.toml is untouched.
+    record_changes(out, changes, "step_20")
+    config, changes = resume_config(load_config(bare), bare, allow_change=False)
+    assert config.trainer.lr == 1e-4 and config.task.kwargs == {} and changes == {}
+    assert load_config(["@", str(out / "config.toml")]).trainer.lr == 3e-4
+    entry = json.loads((out / "config_changes.jsonl").read_text())
+    assert entry["resumed_from"] == "step_20" and entry["changes"]["trainer.lr"] == {"was": 3e-4, "now": 1e-4}
+
+
+def test_eval_finds_the_config_of_the_run_a_checkpoint_belongs_to(tmp_path):
+    out = _recorded_run(tmp_path)
+    (out / "checkpoints" / "step_4" / "model").mkdir(parents=True)
+    (out / "final").mkdir()
+    for path in (out, out / "checkpoints" / "step_4", out / "final"):
+        assert run_record_of(path) == (out / "config.toml").resolve()
+    assert run_record_of(tmp_path) is None

@@ -1,0 +1,89 @@
+"""Stopping and resuming a run as a user does: Ctrl-C, SIGKILL, `--resume` with nothing but the run
+directory; the resumed records equal an uninterrupted run's under configs/deterministic.toml, with
+the teachers and replay on (a teacher round in flight at the checkpoint is sent again)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from e2e import ENV, MESHRL, REPO, SMALL, records, train
+
+DETERMINISTIC = ["@", str(REPO / "configs" / "deterministic.toml"), "--max-steps", "6", "--ckpt.interval", "2"]
+TIMING = ("time/", "_per_s")  # what differs between two runs of the same computation
+
+
+def _same_computation(row: dict) -> dict:
+    return {key: value for key, value in row.items() if not any(mark in key for mark in TIMING)}
+
+
+def _start(out: Path, *args: str) -> subprocess.Popen:
+    """A run in its own process group, as a terminal runs it (Ctrl-C reaches the whole group)."""
+    return subprocess.Popen([*MESHRL, "train", *args, "--output-dir", str(out)], cwd=REPO, env=ENV, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+
+def _until(proc: subprocess.Popen, prefix: str, timeout_s: float = 300) -> list[str]:
+    """The run's output up to the first line starting with `prefix`."""
+    deadline, lines = time.time() + timeout_s, []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith(prefix):
+            return lines
+        assert time.time() < deadline, "".join(lines[-40:])
+    raise AssertionError(f"the run ended (rc {proc.wait()}) before {prefix!r}:\n{''.join(lines[-40:])}")
+
+
+def _resume(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    """`--resume` with no preset: the run's own config.toml is what it continues with."""
+    return subprocess.run([*MESHRL, "train", "--output-dir", str(out), "--resume", *extra], capture_output=True,
+                          text=True, timeout=300, cwd=REPO, env=ENV)  # fmt: skip
+
+
+def test_ctrl_c_and_a_kill_then_resume_continue_the_run_exactly(tmp_path):
+    reference = tmp_path / "reference"
+    done = train(reference, *DETERMINISTIC)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = tmp_path / "run"
+    # Ctrl-C: the step in flight finishes, a checkpoint of it, plots, and how to resume; exit 130.
+    run = _start(out, *SMALL, *DETERMINISTIC)
+    _until(run, "step 2/6")
+    os.killpg(run.pid, signal.SIGINT)
+    tail = run.stdout.read()
+    assert run.wait(timeout=120) == 130, tail[-3000:]
+    assert f"Continue with: meshrl train --output-dir {out} --resume" in tail
+    stopped_at = len(records(out))
+    assert (out / "checkpoints" / f"step_{stopped_at}" / "COMPLETE").exists()
+    assert (out / "plots" / "reward.png").exists()
+    assert not (out / "final").exists() and "Traceback" not in tail
+    record = (out / "config.toml").read_text()
+    # A setting that alters training is refused on resume, naming it; nothing is started or written.
+    refused = _resume(out, "--trainer.lr", "0.5")
+    assert refused.returncode == 2 and "trainer.lr" in refused.stderr and "--allow-config-change" in refused.stderr
+    # Resumed with nothing but the directory (and a setting free to change), then SIGKILLed once its
+    # next checkpoint (step 4) is complete.
+    run = _start(out, "--resume", "--ckpt.keep-last", "5")
+    lines = _until(run, "resuming")
+    assert f"from {out / 'checkpoints' / f'step_{stopped_at}'} (step {stopped_at})" in lines[-1]
+    deadline = time.time() + 300
+    while not (out / "checkpoints" / "step_4" / "COMPLETE").exists():
+        assert run.poll() is None and time.time() < deadline, run.stdout.read()[-3000:]
+        time.sleep(0.05)
+    assert run.poll() is None  # killed mid-run
+    os.killpg(run.pid, signal.SIGKILL)
+    run.wait()
+    resumed = _resume(out)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "(step 4)" in resumed.stdout
+    assert (out / "config.toml").read_text() == record  # the record of how the run started stands
+    changes = [json.loads(line)["changes"] for line in (out / "config_changes.jsonl").read_text().splitlines()]
+    assert changes == [{"ckpt.keep_last": {"was": 3, "now": 5}}]  # dated, once: the last resume changed nothing
+    expected, got = records(reference), records(out)
+    assert [r["step"] for r in got] == list(range(6))
+    assert any(r["replay_pairs"] > 0 for r in got[stopped_at:]) and any("loss/replay" in r for r in got[stopped_at:])
+    for want, have in zip(expected, got, strict=True):
+        assert _same_computation(have) == _same_computation(want), want["step"]
