@@ -19,13 +19,14 @@ reasoning (`reasoning/tokens`).
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import shutil
 import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from meshrl.run.run_dir import RunDir
 
 REPO = Path(__file__).resolve().parents[1]
 CARRIED = ("config.toml", "tiny_model", "teacher_cache.jsonl")  # what a resumed run reads besides the checkpoint
@@ -42,15 +43,13 @@ def branch(run: Path, step: int, steps: int, out: Path, overrides: list[str]) ->
         elif source.exists():
             shutil.copy2(source, out / name)
     shutil.copytree(run / "checkpoints" / f"step_{step}", out / "checkpoints" / f"step_{step}")
-    lines = (run / "metrics.jsonl").read_text().splitlines()
-    (out / "metrics.jsonl").write_text("".join(line + "\n" for line in lines[:step]))
+    shutil.copy2(run / "metrics.jsonl", out / "metrics.jsonl")  # the resume keeps the records step_N covers
     command = [sys.executable, "-m", "meshrl.cli.main", "train", "@", str(run / "config.toml"), *overrides]
     command += ["--output-dir", str(out), "--resume", "--no-overwrite", "--max-steps", str(step + steps)]
     command += ["--ckpt.interval", "1000000"]  # last: an arm's preset sets none of these
     with (out.parent / f"{out.name}.log").open("w") as log:
         subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True)
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [row for row in rows if row["step"] >= step]
+    return [row for row in RunDir(out).read_metrics() if row["step"] >= step]
 
 
 def mean(rows: list[dict], key: str) -> float:

@@ -16,7 +16,6 @@ config's (`trainer.diloco.*`). The reward curves go to docs/islands_reward.png (
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -31,6 +30,7 @@ import matplotlib.pyplot as plt
 from safetensors.torch import load_file
 
 from meshrl.configs.schema import DilocoConfig
+from meshrl.run.run_dir import RunDir
 from meshrl.trainer.islands import serve_lighthouse
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,7 +38,7 @@ MESHRL = [sys.executable, "-m", "meshrl.cli.main", "train", "@", str(REPO / "con
 
 
 def records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return RunDir(out).read_metrics()
 
 
 def run(out: Path, seed: int, common: list[str], *extra: str) -> subprocess.Popen:

@@ -22,13 +22,14 @@ counts. Runs already finished in OUT are read, not run again, so an interrupted 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from meshrl.run.run_dir import RunDir
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -62,7 +63,7 @@ class RunSummary:
 
 
 def summarize(metrics: Path, seed: int, seconds: float, bar: float) -> RunSummary:
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    rows = RunDir(metrics.parent).read_metrics()
     rewards = [row["reward/mean"] for row in rows]
     tenth = max(1, len(rows) // 10)
     last = statistics.fmean(rewards[-tenth:])

@@ -48,6 +48,7 @@ import matplotlib.pyplot as plt
 
 from meshrl.configs.schema import TaskConfig
 from meshrl.models.gguf import ensure_gguf
+from meshrl.run.run_dir import RunDir
 from meshrl.tasks.base import make_task
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,7 +100,7 @@ def run_meshrl(args: argparse.Namespace, out: Path, refill: int, backend: str = 
     with (out.parent / f"{out.name}.log").open("w") as log:
         done = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=log, env={**os.environ, "RUST_LOG": "warn"})
     assert done.returncode == 0, (out.parent / f"{out.name}.log").read_text()[-3000:]
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = RunDir(out).read_metrics()
     name = f"meshrl, refill {refill}" if refill else "meshrl" if backend == "hf" else f"meshrl, {backend}"
     name += f", LoRA r {args.lora}" if lora else ""
     return Curve(name, [r["reward/mean"] for r in records], [r["rollouts"] for r in records],

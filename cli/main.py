@@ -116,8 +116,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(f"meshrl: run stopped: {exc}", file=sys.stderr)
         return EXIT_STOPPED
     except RunInterrupted as stopped:
-        print(f"meshrl: stopped after step {stopped.step} of {config.max_steps}; checkpoint {stopped.checkpoint}, "
-              f"plots in {stopped.root / 'plots'}. Continue with: {resume_hint(stopped.root)}", file=sys.stderr)  # fmt: skip
+        print(f"meshrl: stopped {stopped.where}; checkpoint {stopped.checkpoint}, plots in {stopped.root / 'plots'}. "
+              f"Continue with: {resume_hint(stopped.root)}", file=sys.stderr)  # fmt: skip
         return EXIT_INTERRUPTED
     except KeyboardInterrupt:  # a second stop signal (StopNow), or one before the signals were ours
         from meshrl.run.run_dir import RunDir

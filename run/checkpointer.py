@@ -13,7 +13,7 @@ from typing import Any
 
 from meshrl.configs.schema import RunConfig
 from meshrl.run.record import Timeline
-from meshrl.run.run_dir import RunDir
+from meshrl.run.run_dir import RL, RunDir
 
 
 @dataclass
@@ -25,6 +25,7 @@ class PendingCheckpoint:
     step: int
     state: dict[str, Any]
     started: float
+    phase: str
 
 
 class Checkpointer:
@@ -34,15 +35,16 @@ class Checkpointer:
         self.config, self.run, self.trainers, self.timeline = config, run, trainers, timeline
         self.pending: PendingCheckpoint | None = None
 
-    def save(self, step: int, state: dict[str, Any]) -> None:
-        """Snapshot a checkpoint after `step` steps with the controller's `state`: the trainers
-        write it in the background, and `commit` publishes it once written."""
+    def save(self, step: int, state: dict[str, Any], phase: str = RL) -> None:
+        """Snapshot a checkpoint after `step` steps of `phase` with the controller's `state`: the
+        trainers write it in the background, and `commit` publishes it once written."""
         self.commit(wait=True)
         start = time.time()
-        staging = self.run.staging(step)
+        staging = self.run.staging(step, phase)
         self.trainers.save_checkpoint.call(str(staging)).get()
-        self.pending = PendingCheckpoint(staging, step, {"step": step, **state}, start)
-        self.timeline.add("checkpoint", start, time.time(), step - 1)
+        self.pending = PendingCheckpoint(staging, step, {"step": step, "phase": phase, **state}, start, phase)
+        if phase == RL:
+            self.timeline.add("checkpoint", start, time.time(), step - 1)
 
     def commit(self, wait: bool) -> None:
         """Publish the pending checkpoint once every trainer rank reports its write done; `wait`:
@@ -51,13 +53,15 @@ class Checkpointer:
         if pending is None or not all(self.trainers.checkpoint_written.call(wait).get().values()):
             return
         self.pending = None
-        self.run.commit_checkpoint(pending.staging, pending.step, pending.state, self.config.ckpt.keep_last)
-        self.timeline.add("checkpoint write", pending.started, time.time(), pending.step - 1)
+        keep = self.config.ckpt.keep_last
+        self.run.commit_checkpoint(pending.staging, pending.step, pending.state, keep, pending.phase)
+        if pending.phase == RL:
+            self.timeline.add("checkpoint write", pending.started, time.time(), pending.step - 1)
 
-    def resume(self) -> dict[str, Any] | None:
-        """Load the newest complete checkpoint into the trainers and return the controller state
-        saved with it (None: there is none)."""
-        latest = self.run.latest_checkpoint()
+    def resume(self, phase: str = RL) -> dict[str, Any] | None:
+        """Load the newest complete checkpoint of `phase` into the trainers and return the
+        controller state saved with it (None: there is none)."""
+        latest = self.run.latest_checkpoint(phase)
         if latest is None:
             return None
         state = json.loads((latest / "controller.json").read_text())

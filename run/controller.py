@@ -42,12 +42,12 @@ from meshrl.run.meshes import Meshes
 from meshrl.run.plots import plot
 from meshrl.run.progress import Progress
 from meshrl.run.record import StepFacts, StepTimes, Timeline, step_record
-from meshrl.run.run_dir import RunDir, write_atomic
+from meshrl.run.run_dir import WARM_START, RunDir, write_atomic
 from meshrl.run.sinks import MetricSinks
 from meshrl.run.stopping import RunInterrupted, StopSignals
 from meshrl.run.streams import GroupStreams
 from meshrl.run.teachers import TeacherRounds, offline_states
-from meshrl.run.warm_start import warm_start
+from meshrl.run.warm_start import sft_steps
 from meshrl.run.weights import WeightPublisher
 from meshrl.sandbox.core import SandboxUnavailable
 from meshrl.tasks.base import make_task, task_tools
@@ -95,7 +95,12 @@ class Controller:
     def spawn(self) -> None:
         """The meshes, the ingress (when `ingress.bind` is set), and the collaborators that use them."""
         cfg = self.config
+        roles = [f"{cfg.topology.generator.size} generator(s)", f"{cfg.topology.trainer.size} trainer(s)"]
+        roles += [f"{cfg.topology.teacher.size} teacher actor(s)"] if cfg.teachers.members else []
+        print(f"meshrl: starting the meshes ({', '.join(roles)}: each loads the model)", flush=True)
+        began = time.perf_counter()
         self.meshes = meshes = Meshes(cfg, self.model_path, self.run)
+        print(f"meshrl: meshes up in {time.perf_counter() - began:.0f} s", flush=True)
         if cfg.ingress.bind is not None:
             self.ingress = start_ingress(cfg, self.model_path, self.tokenizer, self.chat, self.run.root / "ingress")
         self.weights = WeightPublisher(cfg, self.run, meshes, self.ingress)
@@ -187,11 +192,28 @@ class Controller:
 
     # ------------------------------------------------------------------ start, checkpoints, stops
 
-    def warm_start(self) -> None:
-        """The demonstrations' SFT steps of a fresh run, then version 0 to the generators."""
-        if self.config.trainer.warm_start_steps and self.step == 0:
-            warm_start(self.config, self.task, self.tokenizer, self.collator, self.meshes.trainers)
-            self.weights.publish(0, wait=True)
+    def warm_start(self, sinks: MetricSinks, stop: StopSignals, start: int = 0) -> bool:
+        """The demonstrations' SFT steps (from `start` when a warm start resumes), shown, recorded and
+        checkpointed as RL steps are; then the trainers turn to RL and version 0 goes to the
+        generators. False: a stop signal ended it, after a checkpoint of the last step done."""
+        steps = self.config.trainer.warm_start_steps
+        if not steps:
+            return True
+        with Progress(self.config.metrics.progress, start=start, label="warm start") as progress:
+            for record in sft_steps(self.config, self.task, self.tokenizer, self.collator, self.meshes.trainers, start):
+                self.run.append_metrics(record)
+                sinks.log(record)
+                progress.update(record, steps)
+                done = record["step"] + 1
+                self.checkpointer.commit(wait=False)
+                if stop.received is not None or (done % self.config.ckpt.interval == 0 and done < steps):
+                    self.checkpointer.save(done, {}, WARM_START)
+                if stop.received is not None:
+                    self.checkpointer.commit(wait=True)
+                    return False
+        self.meshes.trainers.start_rl.call().get()
+        self.weights.publish(0, wait=True)
+        return True
 
     def save(self) -> None:
         """A checkpoint after the current step, with what each collaborator needs to resume exactly."""
@@ -203,19 +225,30 @@ class Controller:
         }
         self.checkpointer.save(self.step, state)
 
-    def resume(self) -> bool:
-        """Continue from the newest complete checkpoint (False: there is none)."""
-        state = self.checkpointer.resume()
-        if state is None:
-            return False
-        self.step = state["step"]
-        self.feed.restore(state)
-        self.teachers.restore(state)
-        if self.ingress is not None:
-            self.ingress.restore(state.get("ingress", {}))
-        self.run.keep_metrics_before(self.step)
-        self.weights.publish(self.step, wait=True)
-        return True
+    def restore(self) -> int | None:
+        """Where the run starts: with `resume`, the newest RL checkpoint (returns None: the warm start
+        is done), else the warm start's newest checkpoint (returns its SFT step), else the start
+        (returns 0). Only the records of the steps it starts after are kept."""
+        state = self.checkpointer.resume() if self.config.resume else None
+        if state is not None:
+            self.step = state["step"]
+            self.feed.restore(state)
+            self.teachers.restore(state)
+            if self.ingress is not None:
+                self.ingress.restore(state.get("ingress", {}))
+            self.run.keep_records(float("inf"), self.step)
+            self.weights.publish(self.step, wait=True)
+            print(f"resuming {self.run.root} from {self.run.latest_checkpoint()} (step {self.step})", flush=True)
+            return None
+        warm = self.checkpointer.resume(WARM_START) if self.config.resume else None
+        if warm is not None:
+            print(f"resuming {self.run.root}'s warm start from {self.run.latest_checkpoint(WARM_START)} "
+                  f"(SFT step {warm['step']} of {self.config.trainer.warm_start_steps})", flush=True)  # fmt: skip
+        elif self.config.resume:
+            print(f"no complete checkpoint in {self.run.checkpoints}; starting from step 0", flush=True)
+        start = warm["step"] if warm is not None else 0
+        self.run.keep_records(start, 0)
+        return start
 
     def stop_for_lost_host(self, lost: HostLost) -> RunStopped:
         """Checkpoint if the trainers still can, and say which host was lost and where to resume."""
@@ -253,7 +286,13 @@ def train(config: RunConfig, changes: dict[str, Any] | None = None) -> Path:
             running(controller, stop)
         plot(run.root)
         if stop.received is not None:
-            raise RunInterrupted(run.root, controller.step, run.latest_checkpoint())
+            if run.latest_checkpoint() is None:  # stopped in the warm start
+                warm = run.latest_checkpoint(WARM_START)
+                where = f"in the warm start, after SFT step {warm.name.rpartition('_')[2] if warm else 0} of {config.trainer.warm_start_steps}"
+                raise RunInterrupted(run.root, where, warm)
+            raise RunInterrupted(
+                run.root, f"after step {controller.step} of {config.max_steps}", run.latest_checkpoint()
+            )
         export_model(run.latest_checkpoint() / "model", run.root / "final", config.model.dtype)
         return run.root
     finally:
@@ -288,17 +327,14 @@ def running(controller: Controller, stop: StopSignals) -> None:
     try:
         with stop.children_ignore():
             controller.spawn()
-        if config.resume and controller.resume():
-            print(f"resuming {run.root} from {run.latest_checkpoint()} (step {controller.step})", flush=True)
-        else:
-            if config.resume:
-                print(f"no complete checkpoint in {run.checkpoints}; starting from step 0", flush=True)
-            run.keep_metrics_before(0)
-            controller.warm_start()
-        sinks = MetricSinks(config, run.root, controller.step)
+        warm_from = controller.restore()
+        warm_steps = config.trainer.warm_start_steps
+        purge_from = controller.step if warm_from is None else warm_from - warm_steps
+        sinks = MetricSinks(config, run.root, purge_from if config.resume else None)
         try:
-            with Progress(config.metrics.progress, start=controller.step) as progress:
-                controller.train(progress, sinks, stop)
+            if warm_from is None or controller.warm_start(sinks, stop, warm_from):
+                with Progress(config.metrics.progress, start=controller.step) as progress:
+                    controller.train(progress, sinks, stop)
         finally:
             sinks.close()
     except HostLost as lost:

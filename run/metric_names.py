@@ -9,8 +9,15 @@ from functools import cache
 
 METRICS: dict[str, dict[str, str]] = {
     "Step": {
-        "step": "0-based index of the optimizer step the record describes.",
+        "step": "0-based index of the optimizer step the record describes (of the phase it is in).",
+        "phase": "'warm_start' on a warm-start record; absent on RL steps' records.",
         "policy_version": "Policy version this step produced (step + 1); the generators load it next.",
+    },
+    "Warm start (one record per SFT step, phase warm_start)": {
+        "warm_start/loss": "Masked NLL of the demonstrations' assistant tokens, mean over trainer ranks.",
+        "warm_start/grad_norm": "Gradient L2 norm before clipping.",
+        "warm_start/lr": "Learning rate the SFT step used (trainer.warm_start_lr).",
+        "warm_start/seconds": "Wall seconds of the SFT step.",
     },
     "Reward and rollouts": {
         "reward/mean": "Mean reward of the step's fresh (trained-on) rollouts, outside workers' and refills' included; "

@@ -1,5 +1,5 @@
-"""Curves of a run's metrics.jsonl (reward, per-channel losses, throughput) and its step timeline
-as PNGs in DIR/plots/."""
+"""Curves of a run's metrics.jsonl (reward, per-channel losses, throughput, the warm start's SFT
+loss) and its step timeline as PNGs in DIR/plots/."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from meshrl.run.run_dir import RunDir
+from meshrl.run.run_dir import RL, WARM_START, RunDir
 
 
 def plot(run: str | Path) -> list[Path]:
@@ -18,25 +18,29 @@ def plot(run: str | Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     run_dir = RunDir(run)
-    records = run_dir.read_metrics()
-    if not records:
+    phases = {RL: run_dir.read_metrics(), WARM_START: run_dir.read_metrics(WARM_START)}
+    if not any(phases.values()):
         raise ValueError(f"{run_dir.metrics_path}: no metrics to plot")
     out = run_dir.root / "plots"
     out.mkdir(exist_ok=True)
-    steps = [r["step"] for r in records]
     figures = {
-        "reward": ["reward/mean"],
-        "losses": ["loss/total", "loss/rl", "loss/replay", "loss/sdpo"],
-        "throughput": ["rollout_tokens_per_s", "train_tokens_per_s"],
+        "reward": (RL, ["reward/mean"]),
+        "losses": (RL, ["loss/total", "loss/rl", "loss/replay", "loss/sdpo"]),
+        "throughput": (RL, ["rollout_tokens_per_s", "train_tokens_per_s"]),
+        "warm_start": (WARM_START, ["warm_start/loss"]),
     }
     written = []
-    for name, keys in figures.items():
+    for name, (phase, keys) in figures.items():
+        records = phases[phase]
+        if not records:
+            continue
+        steps = [r["step"] for r in records]
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for key in keys:
             values = series(records, key)
             if not all(math.isnan(v) for v in values):  # markers: a value between two gaps still shows
                 ax.plot(steps, values, label=key, marker=".", markersize=3)
-        ax.set_xlabel("step")
+        ax.set_xlabel("SFT step" if phase == WARM_START else "step")
         ax.set_title(name)
         ax.legend(fontsize=8)
         fig.tight_layout()

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, TextColumn, TimeRemainingColumn
 from rich.progress import Progress as RichProgress
 
-SHOWN = ("reward/mean", "loss/total", "loss/rl", "loss/replay", "loss/sdpo", "rollout_tokens_per_s")
+SHOWN = ("reward/mean", "warm_start/loss", "loss/total", "loss/rl", "loss/replay", "loss/sdpo", "rollout_tokens_per_s")
 
 
 def _summary(record: dict[str, Any]) -> str:
@@ -21,7 +21,8 @@ def _summary(record: dict[str, Any]) -> str:
 
 
 class Progress:
-    def __init__(self, mode: str, start: int = 0) -> None:
+    def __init__(self, mode: str, start: int = 0, label: str = "step") -> None:
+        self.label = label  # "warm start" for its SFT steps
         self.rich = mode == "rich" or (mode == "auto" and sys.stdout.isatty())
         self.start, self.began = start, time.perf_counter()
         self.bar: RichProgress | None = None
@@ -30,7 +31,7 @@ class Progress:
     def __enter__(self) -> Progress:
         if self.rich:
             self.bar = RichProgress(
-                TextColumn("step {task.completed}/{task.total}"), BarColumn(), TimeRemainingColumn(),
+                TextColumn(f"{self.label} {{task.completed}}/{{task.total}}"), BarColumn(), TimeRemainingColumn(),
                 TextColumn("{task.description}"), console=Console(), transient=False,
             )  # fmt: skip
             self.bar.__enter__()
@@ -45,7 +46,7 @@ class Progress:
             return
         rate = (done - self.start) / max(time.perf_counter() - self.began, 1e-9)
         eta = (total - done) / rate if rate > 0 else float("inf")
-        print(f"step {done}/{total} | {_summary(record)} | eta {eta:.0f}s", flush=True)
+        print(f"{self.label} {done}/{total} | {_summary(record)} | eta {eta:.0f}s", flush=True)
 
     def __exit__(self, *exc: object) -> None:
         if self.bar is not None:

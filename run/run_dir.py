@@ -33,6 +33,8 @@ from typing import Any
 from meshrl.configs.loader import ConfigError
 
 COMPLETE = "COMPLETE"
+RL, WARM_START = "rl", "warm_start"  # the run's phases; a warm-start record says `"phase": "warm_start"`
+CHECKPOINT_NAMES = {RL: "step_", WARM_START: "warm_start_"}
 RUN_OUTPUTS = (
     "checkpoints",
     "weights",
@@ -140,18 +142,22 @@ class RunDir:
 
     # ------------------------------------------------------------------ metrics
 
-    def read_metrics(self) -> list[dict[str, Any]]:
-        return _read_jsonl(self.metrics_path)
+    def read_metrics(self, phase: str = RL) -> list[dict[str, Any]]:
+        """The records of one phase: RL steps (the default), or the warm start's SFT steps."""
+        return [r for r in _read_jsonl(self.metrics_path) if r.get("phase", RL) == phase]
 
     def read_timeline(self) -> list[dict[str, Any]]:
         """Per step: when each part of it ran, on which lane (`Controller.train` writes it)."""
         return _read_jsonl(self.timeline_path)
 
-    def keep_metrics_before(self, step: int) -> None:
-        """On resume: exactly the records of the steps the checkpoint covers survive."""
-        for path in (self.metrics_path, self.timeline_path):
-            kept = [r for r in _read_jsonl(path) if r["step"] < step]
-            write_atomic(path, "".join(map(_json_line, kept)))
+    def keep_records(self, warm_start_steps: int | float, steps: int) -> None:
+        """On (re)start: exactly the records of the steps the checkpoint covers survive, the warm
+        start's SFT steps below `warm_start_steps` and RL steps below `steps`."""
+        below = {WARM_START: warm_start_steps, RL: steps}
+        kept = [r for r in _read_jsonl(self.metrics_path) if r["step"] < below[r.get("phase", RL)]]
+        write_atomic(self.metrics_path, "".join(map(_json_line, kept)))
+        kept = [r for r in _read_jsonl(self.timeline_path) if r["step"] < steps]
+        write_atomic(self.timeline_path, "".join(map(_json_line, kept)))
 
     def append_metrics(self, record: dict[str, Any]) -> None:
         _append_jsonl(self.metrics_path, record)
@@ -173,35 +179,44 @@ class RunDir:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def staging(self, step: int) -> Path:
-        path = self.checkpoints / f".step_{step}.partial"
+    def staging(self, step: int, phase: str = RL) -> Path:
+        path = self.checkpoints / f".{CHECKPOINT_NAMES[phase]}{step}.partial"
         shutil.rmtree(path, ignore_errors=True)
         path.mkdir(parents=True)
         return path
 
-    def commit_checkpoint(self, staging: Path, step: int, state: dict[str, Any], keep_last: int) -> Path:
+    def commit_checkpoint(
+        self, staging: Path, step: int, state: dict[str, Any], keep_last: int, phase: str = RL
+    ) -> Path:
         """Controller state, an fsync of everything the trainer wrote, and the COMPLETE marker last;
-        then one rename publishes the step (and an fsync of the parent makes the rename durable)."""
+        then one rename publishes the step (and an fsync of the parent makes the rename durable).
+        The first RL checkpoint retires the warm start's: a resume never goes back to them."""
         write_atomic(staging / "controller.json", json.dumps(state))
         fsync_tree(staging)
         write_atomic(staging / COMPLETE, str(step))
         fsync_dir(staging)
-        final = self.checkpoints / f"step_{step}"
+        final = self.checkpoints / f"{CHECKPOINT_NAMES[phase]}{step}"
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)
         fsync_dir(self.checkpoints)
-        for old in self.complete_checkpoints()[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        old = self.complete_checkpoints(phase)[:-keep_last] + (
+            self.complete_checkpoints(WARM_START) if phase == RL else []
+        )
+        for path in old:
+            shutil.rmtree(path, ignore_errors=True)
         return final
 
-    def complete_checkpoints(self) -> list[Path]:
+    def complete_checkpoints(self, phase: str = RL) -> list[Path]:
+        """The phase's complete checkpoints, oldest first: `step_N` after RL step N, `warm_start_N`
+        after the warm start's N-th SFT step."""
         if not self.checkpoints.exists():
             return []
-        done = [p for p in self.checkpoints.glob("step_*") if (p / COMPLETE).exists()]
-        return sorted(done, key=lambda p: int(p.name.split("_")[1]))
+        name = CHECKPOINT_NAMES[phase]
+        done = [p for p in self.checkpoints.glob(f"{name}*") if (p / COMPLETE).exists()]
+        return sorted(done, key=lambda p: int(p.name.removeprefix(name)))
 
-    def latest_checkpoint(self) -> Path | None:
-        done = self.complete_checkpoints()
+    def latest_checkpoint(self, phase: str = RL) -> Path | None:
+        done = self.complete_checkpoints(phase)
         return done[-1] if done else None
 
     def check_shared(self, read_on_trainer: Callable[[str], str | None]) -> None:

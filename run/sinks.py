@@ -1,9 +1,9 @@
 """Metric sinks besides `metrics.jsonl`: TensorBoard event files and Weights & Biases.
 
-Every numeric value of each step's record goes to each sink configured, at that step; the run's
-resolved config goes once (TensorBoard: a text summary; W&B: the run config). On resume the
-sinks continue the same run: TensorBoard purges events at or after the resumed step (the steps
-redone are not drawn twice), W&B resumes the run id kept in the run directory.
+Every numeric value of each step's record goes to each sink configured, at that step (the warm
+start's SFT steps too); the run's resolved config goes once (TensorBoard: a text summary; W&B: the
+run config). On resume the sinks continue the same run: TensorBoard purges events at or after the
+resumed step (the steps redone are not drawn twice), W&B resumes the run id kept in the run directory.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 
 from meshrl.configs.loader import to_toml
 from meshrl.configs.schema import RunConfig
+from meshrl.run.run_dir import WARM_START
 
 
 def _scalars(record: dict[str, Any]) -> dict[str, float]:
@@ -27,8 +28,12 @@ def _scalars(record: dict[str, Any]) -> dict[str, float]:
 
 
 class MetricSinks:
-    def __init__(self, config: RunConfig, root: Path, start_step: int) -> None:
+    def __init__(self, config: RunConfig, root: Path, purge_from: int | None) -> None:
+        """`purge_from`: the TensorBoard step a resumed run goes on from (events at or after it are
+        the killed run's, redone now); None for a fresh run."""
         self.tensorboard = self.wandb = None
+        self.warm_start_steps = config.trainer.warm_start_steps
+        self.defined: set[str] = set()
         if config.metrics.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -36,8 +41,8 @@ class MetricSinks:
                 raise ImportError(
                     "metrics.tensorboard needs the tensorboard package: pip install 'meshrl[tensorboard]'"
                 ) from exc
-            self.tensorboard = SummaryWriter(str(root / "tensorboard"), purge_step=start_step or None)
-            if start_step == 0:
+            self.tensorboard = SummaryWriter(str(root / "tensorboard"), purge_step=purge_from)
+            if purge_from is None:
                 self.tensorboard.add_text("config", f"```toml\n{to_toml(config)}\n```", 0)
         if config.metrics.wandb_project is not None:
             try:
@@ -58,13 +63,21 @@ class MetricSinks:
             )
 
     def log(self, record: dict[str, Any]) -> None:
+        """An RL step's record at its step; a warm-start record (its keys `warm_start/*`) at its SFT
+        step, which TensorBoard draws before RL's step 0 (SFT step - warm_start_steps) and W&B
+        against its own axis, `warm_start/step`."""
         step, values = record["step"], _scalars(record)
+        warm = record.get("phase") == WARM_START
         if self.tensorboard is not None:
             for key, value in values.items():
-                self.tensorboard.add_scalar(key, value, step)
+                self.tensorboard.add_scalar(key, value, step - self.warm_start_steps if warm else step)
             self.tensorboard.flush()
         if self.wandb is not None:
-            self.wandb.log(values, step=step)
+            axis = "warm_start/step" if warm else "step"
+            for key in set(values) - self.defined:
+                self.wandb.define_metric(key, step_metric=axis)
+            self.defined |= set(values)
+            self.wandb.log({**values, axis: step})
 
     def close(self) -> None:
         if self.tensorboard is not None:

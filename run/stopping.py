@@ -27,9 +27,9 @@ class StopNow(KeyboardInterrupt):
 class RunInterrupted(Exception):
     """The run stopped on a signal after checkpointing the step it had in flight."""
 
-    def __init__(self, root: Path, step: int, checkpoint: Path | None) -> None:
-        self.root, self.step, self.checkpoint = root, step, checkpoint
-        super().__init__(f"stopped after step {step}; checkpoint {checkpoint}")
+    def __init__(self, root: Path, where: str, checkpoint: Path | None) -> None:
+        self.root, self.where, self.checkpoint = root, where, checkpoint
+        super().__init__(f"stopped {where}; checkpoint {checkpoint}")
 
 
 def resume_hint(root: Path) -> str:

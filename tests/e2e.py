@@ -47,13 +47,13 @@ def train(out: Path, *extra: str, timeout: int = 240) -> subprocess.CompletedPro
     return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=ENV)
 
 
-def records(out: Path) -> list[dict]:
-    """The run's metric records; every key they hold has a line in the metrics glossary (the
-    manual's metrics reference is generated from it)."""
+def records(out: Path, phase: str = "rl") -> list[dict]:
+    """The run's metric records of one phase (RL steps, or the warm start's); every key any record
+    holds has a line in the metrics glossary (the manual's metrics reference is generated from it)."""
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     unexplained = sorted({key for row in rows for key in row if meaning(key) is None})
     assert not unexplained, f"logged keys missing from meshrl.run.metric_names.METRICS: {unexplained}"
-    return rows
+    return [row for row in rows if row.get("phase", "rl") == phase]
 
 
 # A loss swap needs no code change: each of these config changes trains. The runs that carry one

@@ -45,6 +45,7 @@ def _wait_for(out: Path, proc: subprocess.Popen, what: str, seen, timeout: float
         metrics = out / "metrics.jsonl"
         lines = metrics.read_text().splitlines() if metrics.exists() else []
         found = [json.loads(line) for line in lines if line.endswith("}")]  # a line being written is skipped
+        found = [r for r in found if "phase" not in r]  # RL steps (the warm start's records are a phase of their own)
         if seen(found):
             return found
         assert proc.poll() is None, f"the run ended before {what}: rc {proc.returncode}"

@@ -1,6 +1,7 @@
-"""Stopping and resuming a run as a user does: Ctrl-C, SIGKILL, `--resume` with nothing but the run
-directory; the resumed records equal an uninterrupted run's under configs/deterministic.toml, with
-the teachers and replay on (a teacher round in flight at the checkpoint is sent again)."""
+"""Stopping and resuming a run as a user does: Ctrl-C in the warm start and in RL, SIGKILL,
+`--resume` with nothing but the run directory; the resumed records (the warm start's SFT steps and
+the RL steps) equal an uninterrupted run's under configs/deterministic.toml, with the teachers and
+replay on (a teacher round in flight at the checkpoint is sent again)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from pathlib import Path
 
 from e2e import ENV, MESHRL, REPO, SMALL, records, train
 
-DETERMINISTIC = ["@", str(REPO / "configs" / "deterministic.toml"), "--max-steps", "6", "--ckpt.interval", "2"]
-TIMING = ("time/", "_per_s")  # what differs between two runs of the same computation
+DETERMINISTIC = ["@", str(REPO / "configs" / "deterministic.toml"), "--max-steps", "6", "--ckpt.interval", "2",
+                 "--trainer.warm-start-steps", "6", "--trainer.warm-start-batch-size", "4"]  # fmt: skip
+TIMING = ("time/", "_per_s", "/seconds")  # what differs between two runs of the same computation
 
 
 def _same_computation(row: dict) -> dict:
@@ -49,12 +51,24 @@ def test_ctrl_c_and_a_kill_then_resume_continue_the_run_exactly(tmp_path):
     done = train(reference, *DETERMINISTIC)
     assert done.returncode == 0, done.stderr[-3000:]
     out = tmp_path / "run"
-    # Ctrl-C: the step in flight finishes, a checkpoint of it, plots, and how to resume; exit 130.
+    # Ctrl-C in the warm start: its SFT steps are shown, recorded and checkpointed like RL steps.
     run = _start(out, *SMALL, *DETERMINISTIC)
+    _until(run, "warm start 3/6")
+    os.killpg(run.pid, signal.SIGINT)
+    tail = run.stdout.read()
+    assert run.wait(timeout=120) == 130, tail[-3000:]
+    warm_stop = len(records(out, "warm_start"))
+    assert f"stopped in the warm start, after SFT step {warm_stop} of 6" in tail and records(out) == []
+    assert (out / "checkpoints" / f"warm_start_{warm_stop}" / "COMPLETE").exists()
+    # Resumed there, then Ctrl-C in RL: the step in flight finishes, a checkpoint of it, plots, and
+    # how to resume; exit 130.
+    run = _start(out, "--resume")
+    assert f"warm start from {out / 'checkpoints' / f'warm_start_{warm_stop}'}" in "".join(_until(run, "resuming"))
     _until(run, "step 2/6")
     os.killpg(run.pid, signal.SIGINT)
     tail = run.stdout.read()
     assert run.wait(timeout=120) == 130, tail[-3000:]
+    assert not list((out / "checkpoints").glob("warm_start_*"))  # the first RL checkpoint retired them
     assert f"Continue with: meshrl train --output-dir {out} --resume" in tail
     stopped_at = len(records(out))
     assert (out / "checkpoints" / f"step_{stopped_at}" / "COMPLETE").exists()
@@ -82,8 +96,9 @@ def test_ctrl_c_and_a_kill_then_resume_continue_the_run_exactly(tmp_path):
     assert (out / "config.toml").read_text() == record  # the record of how the run started stands
     changes = [json.loads(line)["changes"] for line in (out / "config_changes.jsonl").read_text().splitlines()]
     assert changes == [{"ckpt.keep_last": {"was": 3, "now": 5}}]  # dated, once: the last resume changed nothing
-    expected, got = records(reference), records(out)
-    assert [r["step"] for r in got] == list(range(6))
+    for phase in ("warm_start", "rl"):
+        for want, have in zip(records(reference, phase), records(out, phase), strict=True):
+            assert _same_computation(have) == _same_computation(want), (phase, want["step"])
+    got = records(out)
+    assert [r["step"] for r in got] == list(range(6)) and len(records(out, "warm_start")) == 6
     assert any(r["replay_pairs"] > 0 for r in got[stopped_at:]) and any("loss/replay" in r for r in got[stopped_at:])
-    for want, have in zip(expected, got, strict=True):
-        assert _same_computation(have) == _same_computation(want), want["step"]

@@ -66,10 +66,24 @@ def test_metrics_lines_are_strict_json(tmp_path):
     run = RunDir(tmp_path / "run")
     for step, value in enumerate([float("nan"), float("inf"), 0.5]):
         run.append_metrics({"step": step, "grad_norm": value, "skipped_steps": 1})
-    run.keep_metrics_before(2)
+    run.keep_records(0, 2)
     refuse = {"parse_constant": lambda token: pytest.fail(f"{token} in metrics.jsonl")}
     lines = [json.loads(line, **refuse) for line in run.metrics_path.read_text().splitlines()]
     assert lines == run.read_metrics() == [{"step": s, "grad_norm": None, "skipped_steps": 1} for s in (0, 1)]
+
+
+def test_warm_start_records_are_a_phase_of_their_own_kept_as_far_as_the_checkpoint_covers(tmp_path):
+    run = RunDir(tmp_path / "run")
+    for step in range(4):
+        run.append_metrics({"phase": "warm_start", "step": step, "warm_start/loss": 1.0 / (step + 1)})
+    for step in range(3):
+        run.append_metrics({"step": step, "reward/mean": 0.5})
+    assert [r["step"] for r in run.read_metrics()] == [0, 1, 2]  # RL steps, as every reader expects
+    assert [r["step"] for r in run.read_metrics("warm_start")] == [0, 1, 2, 3]
+    run.keep_records(float("inf"), 1)  # resumed at RL step 1: the whole warm start stays
+    assert len(run.read_metrics("warm_start")) == 4 and len(run.read_metrics()) == 1
+    run.keep_records(2, 0)  # resumed in the warm start after SFT step 2
+    assert [r["step"] for r in run.read_metrics("warm_start")] == [0, 1] and run.read_metrics() == []
 
 
 def test_a_second_run_in_a_locked_directory_is_refused_naming_the_holder(tmp_path):

@@ -297,6 +297,7 @@ def build_tasks(
                  for t in data["tasks"]]  # fmt: skip
         return Build(sources, tasks, [BuildStats(**s) for s in data["stats"]], data["expected"])
     tasks, stats, expected = [], [], {}
+    print(f"repository tasks: building {len(sources)} source(s) into {cache} (once; later starts read it)", flush=True)
     for source in sources.values():
         start = time.perf_counter()
         hidden = (answer_keys or {}).get(source.module, ())
