@@ -2,7 +2,7 @@
 `trainer.activation_checkpointing` mode, and a packed row against one sample of its length.
 
     python benchmarks/long_context.py [--seq 2048 4096 8192 16384] [--modes none full selective]
-                                      [--packed 2048]
+                                      [--packed 2048] [--model DIR]
 
 A small Qwen3-shaped model (12 layers, d_model 256, 4/2 heads of 64, vocabulary 32000) with random
 weights, float32, one RL row a step. Each measurement runs in a fresh process (glibc's mmap
@@ -39,11 +39,11 @@ CONFIG = dict(vocab_size=32000, hidden_size=256, intermediate_size=768, num_hidd
 CHILD_ENV = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
-def row(seq: int, sample: int, seed: int = 0) -> dict[str, torch.Tensor]:
+def row(seq: int, sample: int, vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     positions = torch.arange(seq) % sample
     mask = (positions >= sample // 8)[None]
-    return {"input_ids": torch.randint(0, CONFIG["vocab_size"], (1, seq), generator=g), "loss_mask": mask,
+    return {"input_ids": torch.randint(0, vocab, (1, seq), generator=g), "loss_mask": mask,
             "advantages": torch.randn(1, seq, generator=g) * mask, "inference_logprobs": -torch.rand(1, seq) * mask,
             "position_ids": positions[None]}  # fmt: skip
 
@@ -56,10 +56,11 @@ def measure(path: str, mode: str, seq: int, sample: int) -> dict[str, float]:
     """One step's extra peak memory (MB) and seconds, in this process."""
     torch.set_num_threads(max(1, torch.get_num_threads()))
     core = TrainerCore(load_config(["--trainer.activation_checkpointing", mode]), path)
-    warm = row(256, 256)
+    vocab = core.model.config.vocab_size
+    warm = row(256, 256, vocab)
     core.train_step([[warm]], [None], int(warm["loss_mask"].sum()))
     base = peak_mb()
-    batch = row(seq, sample, seed=1)
+    batch = row(seq, sample, vocab, seed=1)
     start = time.perf_counter()
     core.train_step([[batch]], [None], int(batch["loss_mask"].sum()))
     return {"seconds": time.perf_counter() - start, "peak_mb": peak_mb() - base}
@@ -70,6 +71,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     parser.add_argument("--modes", nargs="+", default=["none", "full", "selective"])
     parser.add_argument("--packed", type=int, default=2048)
+    parser.add_argument("--model", help="an HF model directory to measure instead of the 12-layer shape "
+                        "(e.g. a run's tiny_model/, to size a preset's budget)")  # fmt: skip
     parser.add_argument("--one", nargs=4, help=argparse.SUPPRESS)  # path mode seq sample: a child's measurement
     args = parser.parse_args()
     if args.one:
@@ -78,7 +81,10 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
-        Qwen3ForCausalLM(Qwen3Config(**CONFIG)).save_pretrained(tmp)
+        if args.model:
+            tmp = args.model
+        else:
+            Qwen3ForCausalLM(Qwen3Config(**CONFIG)).save_pretrained(tmp)
         print(f"{'row':<28}{'mode':<11}{'s/step':>8}{'peak MB':>10}{'MB/1k tok':>11}{'memory vs none':>16}"
               f"{'time vs none':>14}", flush=True)  # fmt: skip
         for seq in args.seq:
