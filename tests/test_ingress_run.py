@@ -105,7 +105,7 @@ def test_run_with_outside_workers_a_killed_one_and_a_resume(tmp_path):
         task = json.dumps({"hold_file": str(hold), "hold_after": 2})
         resume_log = tmp_path / "resume.log"
         resumed = subprocess.Popen([*MESHRL, "train", *SMALL, *ingress, "--max-steps", "15", "--resume",
-                                    "--task.kwargs", task], cwd=REPO, env=ENV, stdout=resume_log.open("w"),
+                                    "--allow-config-change", "--task.kwargs", task], cwd=REPO, env=ENV, stdout=resume_log.open("w"),
                                    stderr=subprocess.STDOUT)  # fmt: skip
         _wait_for(
             logs["a"], "leased", after="following the restarted controller", context=resume_log, proc=workers["a"]

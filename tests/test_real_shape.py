@@ -32,8 +32,9 @@ def test_qwen_shaped_model_trains_resumes_and_exports(tmp_path, capsys):
     first = train(out, *QWEN, "--max-steps", "4", "--generator.weight_sync", "rdma")
     assert first.returncode == 0, first.stderr[-3000:]
     # resumed without reasoning: the generation prompt prefills Qwen3's empty think block
+    # (a change to the run's template settings: allowed explicitly, and recorded in config_changes.jsonl)
     resumed = train(out, *QWEN, "--max-steps", "6", "--generator.weight_sync", "filesystem", "--resume",
-                    "--model.chat_template_kwargs", '{"enable_thinking": false}')  # fmt: skip
+                    "--allow-config-change", "--model.chat_template_kwargs", '{"enable_thinking": false}')  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert not list((out / "weights").iterdir())  # published files are removed with the generators
 
