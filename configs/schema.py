@@ -390,7 +390,14 @@ class TrainerConfig(Section):
     mask_truncated_completions: bool = Field(
         False,
         description="Leave rollouts whose last turn hit generator.max_new_tokens out of the RL loss (TRL's "
-        "name; DAPO's overlong filtering); their rewards still shape their group's advantages.",
+        "name; DAPO's overlong filtering); their rewards still shape their group's advantages. An episode "
+        "that ended on its token budget, its last turn finished, is trainer.mask_budget_ended_episodes' choice.",
+    )
+    mask_budget_ended_episodes: bool = Field(
+        False,
+        description="Also leave out of the RL loss the rollouts that ended because their next turn would not fit "
+        "the episode's token budget (stop condition prompt_too_long, finish reason length). Off: their turns "
+        "are whole answers and train; a long agentic episode is unfinished, not its turns.",
     )
     zero_advantage_tokens: Literal["drop", "count"] = Field(
         "drop",

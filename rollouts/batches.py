@@ -30,9 +30,9 @@ from meshrl.traces.schema import TraceExample, Turn
 @dataclass
 class RlShards:
     """A step's RL micro-batches: a list per trainer rank, their loss-mask tokens over all ranks,
-    how many rollouts were cut to the micro-batch, how many cut off by the generator's token limit
-    were left out (`mask_truncated`), and the loss-mask tokens of the zero-advantage rollouts left
-    out that still count in the loss normaliser (`count_zero_advantage`)."""
+    how many rollouts were cut to the micro-batch, how many cut off (finish reason `length`) were
+    left out (`mask_truncated`, `mask_budget_ended`), and the loss-mask tokens of the
+    zero-advantage rollouts left out that still count in the loss normaliser (`count_zero_advantage`)."""
 
     shards: list[list[dict[str, Any]]]
     tokens: int
@@ -63,6 +63,7 @@ def rl_shards(
     world: int,
     keep_zero_advantage: bool = False,
     mask_truncated: bool = False,
+    mask_budget_ended: bool = False,
     count_zero_advantage: bool = False,
 ) -> RlShards:
     """Per-rank lists of packed micro-batches, the step's loss-mask token count, and truncations.
@@ -73,13 +74,16 @@ def rl_shards(
     verl's token-mean): a step whose groups all but tied then moves the policy less.
     With `mask_truncated`, rollouts whose last turn the generator cut off at its token limit are
     left out too (TRL's `mask_truncated_completions`, DAPO's overlong filtering): their advantage
-    was computed, and shaped their group's, but an unfinished answer is not trained on.
+    was computed, and shaped their group's, but an unfinished answer is not trained on. Episodes
+    that ended on their token budget, their last turn finished, are left out only with
+    `mask_budget_ended`: their turns are whole, only the episode is unfinished.
     A rollout longer than the micro-batch keeps its first `micro_batch_tokens` tokens. Each rank
-    gets at least one micro-batch while there are rows to deal.
+    gets at least one micro-batch while there are rows to deal. A micro-batch keeps its
+    `sample_index` (−1 on padding): what tells the trainer a row's pads from its tokens.
     """
     rows, values, truncated, cut_off, idle = [], [], 0, 0, 0
     for r, a in zip(rollouts, advantages):
-        cut = mask_truncated and r.finish_reason == "length"
+        cut = (mask_truncated and r.last_turn_cut) or (mask_budget_ended and r.budget_ended)
         segments = r.segments()  # an episode that elided tool results: one row per context it was sampled in
         if a == 0 and not keep_zero_advantage:
             if count_zero_advantage and not cut:
@@ -103,7 +107,7 @@ def rl_shards(
     batches = max(math.ceil(count / max(1, micro_batch_tokens // width)), min(count, world))
     per = math.ceil(count / batches)
     for i, start in enumerate(range(0, count, per)):
-        shards[i % world].append({k: v[start : start + per] for k, v in packed.items() if k != "sample_index"})
+        shards[i % world].append({k: v[start : start + per] for k, v in packed.items()})
     return RlShards(shards, int(sum(int(r.mask.sum()) for r in rows)), truncated, cut_off, idle)
 
 

@@ -64,6 +64,18 @@ class Rollout:
         """The oldest policy version among its tokens: how stale the rollout is."""
         return min(self.versions)
 
+    @property
+    def budget_ended(self) -> bool:
+        """It ended because its next turn would not fit its token budget (`prompt_too_long`,
+        finish reason `length`): its last turn itself had finished."""
+        return self.stop_condition == PROMPT_TOO_LONG
+
+    @property
+    def last_turn_cut(self) -> bool:
+        """Its last turn stopped at generator.max_new_tokens: an unfinished answer. (A cut turn
+        has no tool calls, so it ends the episode before the budget is looked at.)"""
+        return self.finish_reason == "length" and not self.budget_ended
+
 
 def fresh_rollouts(rollouts: list[Rollout], step: int, max_off_policy_steps: int) -> list[Rollout]:
     """The rollouts whose oldest token was sampled at most `max_off_policy_steps` versions before `step`."""

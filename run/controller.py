@@ -153,6 +153,7 @@ class Controller:
         rl = rl_shards(fresh, group_advantages(fresh), cfg.trainer.micro_batch_tokens, self.tokenizer.pad_token_id,
                        world, keep_zero_advantage=isinstance(cfg.loss, RefKlLoss),
                        mask_truncated=cfg.trainer.mask_truncated_completions,
+                       mask_budget_ended=cfg.trainer.mask_budget_ended_episodes,
                        count_zero_advantage=cfg.trainer.zero_advantage_tokens == "count")  # fmt: skip
         mined = self.teachers.take_pairs()
         pairs = mined if cfg.loss.replay.weight > 0 else []  # a channel at weight 0 gets no rows

@@ -27,7 +27,11 @@ METRICS: dict[str, dict[str, str]] = {
         "rollouts": "Fresh rollouts the step used (after stale ones were dropped; refill groups included).",
         "rollouts/cut_off": "Fresh rollouts cut off (finish reason length): their last turn hit generator.max_new_tokens, "
         "or their next turn would not have fit the episode token budget.",
-        "rollouts/cut_off_masked": "Cut-off rollouts left out of the RL loss (trainer.mask_truncated_completions).",
+        "rollouts/budget_ended": "Of rollouts/cut_off, those that ended because their next turn would not have fit "
+        "the episode token budget (stop condition prompt_too_long), their last turn finished.",
+        "rollouts/cut_off_masked": "Cut-off rollouts left out of the RL loss: those whose last turn hit "
+        "generator.max_new_tokens (trainer.mask_truncated_completions), and with "
+        "trainer.mask_budget_ended_episodes the budget-ended ones.",
         "rollouts/elided": "Fresh rollouts that elided tool results to go on past their budget "
         "(generator.context_policy = 'elide'): each trains as one row per context it was sampled in.",
         "rollouts/external": "Fresh rollouts from outside rollout workers (ingress on).",
@@ -69,16 +73,17 @@ METRICS: dict[str, dict[str, str]] = {
         "grad_norm": "Gradient L2 norm before clipping (null in metrics.jsonl on a step skipped for a NaN/Inf gradient).",
         "skipped_steps": "Optimizer steps skipped so far for a NaN/Inf gradient (cumulative).",
         "lr": "Learning rate this step used (a warm-start step's own).",
-        "moe/expert_load_max": "Mixture-of-experts policies: the most loaded expert's share of its layer's token "
-        "assignments in the step's trainer forwards, × num_experts (1: even; num_experts: every token on it). "
-        "The moe/ keys are absent on a step whose trainer ran no forward (no informative rollout, no pair).",
-        "moe/expert_load_min": "Mixture-of-experts policies: the least loaded expert's share, × num_experts (0: an "
-        "expert no token reached).",
+        "moe/expert_load_max": "Mixture-of-experts policies: the most loaded expert of any layer, its assignments "
+        "over its layer's mean per expert (1: even; num_experts: every token on it). The moe/ figures count the "
+        "step's RL training tokens on every rank, summed before any ratio: no pad, no reference or SDPO forward, "
+        "no FSDP2 zero-weight pass; absent on a step that trained no RL row.",
+        "moe/expert_load_min": "Mixture-of-experts policies: the least loaded expert of any layer, as "
+        "moe/expert_load_max (0: an expert no token reached).",
         "moe/router_entropy": "Mixture-of-experts policies: mean entropy (nats) of the first layer's router "
-        "distribution over the experts, per token (log num_experts: uniform).",
+        "distribution over the experts, per token of every rank (log num_experts: uniform).",
         "moe/aux_loss": "With trainer.router_aux_loss_coef set: the load-balancing loss of the step's RL passes, "
-        "num_experts · Σ_e f_e · P_e over every layer's tokens (f_e: expert e's assignments per token, P_e: its "
-        "mean router probability); an even load gives experts_per_token.",
+        "num_experts · Σ_e f_e · P_e over every layer's real tokens, pads out (f_e: expert e's assignments per "
+        "token, P_e: its mean router probability); an even load gives experts_per_token.",
     },
     "Losses": {
         "loss/total": "loss/rl + replay weight · loss/replay + SDPO weight · loss/sdpo "

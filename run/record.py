@@ -87,6 +87,7 @@ def step_record(f: StepFacts) -> dict[str, Any]:
         "replay_pairs": f.replay_pairs,
         "truncated": f.rl.truncated,
         "rollouts/cut_off": sum(r.finish_reason == "length" for r in f.fresh),
+        "rollouts/budget_ended": sum(r.budget_ended for r in f.fresh),
         "rollouts/cut_off_masked": f.rl.cut_off,
         "rollouts/elided": sum(bool(r.earlier) for r in f.fresh),
         "groups/uninformative": f.uninformative,

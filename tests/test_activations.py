@@ -45,7 +45,7 @@ def _gradients(core: TrainerCore) -> tuple[dict[str, torch.Tensor], dict[str, fl
         if kind == "sft":
             core.sft_step(data)  # the warm start steps the model: its gradient is the step it took
             continue
-        loss, _ = core._loss(data, 12.0 if kind == "rl" else None)
+        loss, _, _ = core._loss(data, 12.0 if kind == "rl" else None)
         loss.backward()
     for name, p in core.model.named_parameters():
         if p.grad is not None:
@@ -75,12 +75,12 @@ def test_checkpointed_layers_give_the_unchecked_gradients(paths, shape, mode):
     # every metric alike, the MoE routers' counts too (the recompute in backward is not counted twice)
     assert metrics.keys() == expected_metrics.keys()
     for name, value in expected_metrics.items():
-        assert metrics[name] == pytest.approx(value, rel=1e-5, abs=1e-8), name
+        assert metrics[name] == pytest.approx(value, rel=1e-5, abs=1e-8, nan_ok=True), name
     if shape == "moe":  # the routers count a forward's tokens once, not again in the recompute
         assert "moe/expert_load_max" in metrics and "moe/aux_loss" in metrics
-        checked.router.take()
+        checked.router.take(checked.device)
         batch = rl_batch(checked.model, 7, length=24)
-        loss, _ = checked._loss(batch, 12.0)
+        loss, _, _ = checked._loss(batch, 12.0, counted=True)
         counted = checked.router.tokens
         loss.backward()
         assert checked.router.tokens == counted > 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from meshrl.rollouts.batches import RlShards
-from meshrl.rollouts.episodes import Rollout
+from meshrl.rollouts.episodes import PROMPT_TOO_LONG, Rollout
 from meshrl.run.metric_names import meaning
 from meshrl.run.record import StepFacts, StepTimes, Timeline, step_record
 from meshrl.tasks.base import Prompt
@@ -54,6 +54,14 @@ def test_the_record_says_what_the_step_was():
     assert (record["groups/uninformative"], record["groups/refilled"]) == (2, 1)
     assert record["rollout_tokens_per_s"] == 1.5 and record["train_tokens_per_s"] == 30.0
     assert record["time/weight_sync"] == 0.2 and record["collate/dpo_open_reasoning"] == 0
+
+
+def test_a_rollout_that_ended_on_its_budget_is_cut_off_and_counted_apart():
+    ended = _rollout(0.0, [4])
+    ended.stop_condition, ended.finish_reason = PROMPT_TOO_LONG, "length"  # its last turn had finished
+    rl = RlShards([[]], tokens=30, truncated=0, cut_off=1)  # the turn cut at max_new_tokens, left out
+    record = step_record(_facts(fresh=[_rollout(1.0, [4], cut_off=True), ended, _rollout(0.5, [4])], rl=rl))
+    assert (record["rollouts/cut_off"], record["rollouts/budget_ended"], record["rollouts/cut_off_masked"]) == (2, 1, 1)
 
 
 def test_keys_that_belong_to_a_setting_appear_only_with_it():

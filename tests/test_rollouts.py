@@ -8,7 +8,7 @@ import pytest
 
 from meshrl.rollouts.advantages import check_draws, group_advantages
 from meshrl.rollouts.batches import rl_shards
-from meshrl.rollouts.episodes import Rollout, reasoning_stats
+from meshrl.rollouts.episodes import PROMPT_TOO_LONG, Rollout, reasoning_stats
 from meshrl.tasks.base import Prompt
 
 
@@ -36,13 +36,20 @@ def test_a_group_with_equal_rewards_has_exactly_zero_advantage_and_no_rows():
 
 
 def test_truncated_completions_are_left_out_only_when_asked():
-    rollouts = [_rollout("g", 0.0), _rollout("g", 1.0), _rollout("g", 0.5)]
+    """mask_truncated leaves out a rollout whose last turn hit generator.max_new_tokens; one that
+    ended on its token budget, its last turn finished, is left out only with mask_budget_ended."""
+    rollouts = [_rollout("g", 0.0), _rollout("g", 1.0), _rollout("g", 0.5), _rollout("g", 0.2)]
     rollouts[1].finish_reason = "length"  # cut off at generator.max_new_tokens
+    rollouts[3].stop_condition, rollouts[3].finish_reason = PROMPT_TOO_LONG, "length"  # as `goes_on` ends it
     advantages = group_advantages(rollouts)
     assert advantages[1] > 0  # its reward still shapes the group's advantages
-    assert rl_shards(rollouts, advantages, micro_batch_tokens=64, pad_id=0, world=1).tokens == 4
+    assert rl_shards(rollouts, advantages, micro_batch_tokens=64, pad_id=0, world=1).tokens == 8
     masked = rl_shards(rollouts, advantages, micro_batch_tokens=64, pad_id=0, world=1, mask_truncated=True)
-    assert (masked.tokens, masked.cut_off) == (2, 1)
+    assert (masked.tokens, masked.cut_off) == (6, 1)
+    both = rl_shards(rollouts, advantages, micro_batch_tokens=64, pad_id=0, world=1, mask_truncated=True,
+                     mask_budget_ended=True)  # fmt: skip
+    assert (both.tokens, both.cut_off) == (4, 2)
+    assert [(r.last_turn_cut, r.budget_ended) for r in rollouts[1::2]] == [(True, False), (False, True)]
 
 
 def test_rl_micro_batches_stack_rows_as_wide_as_the_longest_rollout():

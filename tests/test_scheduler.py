@@ -316,7 +316,7 @@ def test_a_flooding_tool_is_capped_and_an_episode_past_its_budget_ends_cut_off(p
     assert max(len(tokenizer.encode(t, add_special_tokens=False)) for t in tool_turns) <= 128
     assert all(t.startswith(("running", "done", "error")) for t in tool_turns)  # the head is kept
     ended = [r for r in rollouts if r.stop_condition == PROMPT_TOO_LONG]
-    assert ended and all(r.finish_reason == "length" for r in ended)
+    assert ended and all(r.finish_reason == "length" and r.budget_ended and not r.last_turn_cut for r in ended)
     assert all(max(i for i, m in enumerate(r.loss_mask) if m) < 600 for r in rollouts)  # every sampled token fits
 
     assert_fails_to_fit(scheduler(poll_model, task, max_tokens=4096), prompts[0], "max_concurrent_tokens")

@@ -57,7 +57,7 @@ from meshrl.loss_adapters.logprobs import sequence_token_logprobs
 from meshrl.trainer.activations import enable_checkpointing
 from meshrl.trainer.attention import use_document_attention
 from meshrl.trainer.checkpoint import CheckpointWriter, TrainerState, own_copy, write_checkpoint
-from meshrl.trainer.router import RouterStats
+from meshrl.trainer.router import RouterStats, real_tokens
 
 if TYPE_CHECKING:
     from meshrl.trainer.islands import Islands
@@ -322,10 +322,11 @@ class TrainerCore:
         return batch
 
     def _loss(
-        self, batch: dict[str, Any], rl_token_count: float | None = None
+        self, batch: dict[str, Any], rl_token_count: float | None = None, counted: bool = False
     ) -> tuple[torch.Tensor, dict[str, Any], dict[str, torch.Tensor]]:
         """The composed loss of one batch, through `ModelCall` (so FSDP2's root hooks run), its
-        metrics and the token count of each RL metric."""
+        metrics and the token count of each RL metric. `counted`: an RL pass that trains, whose
+        routing (a mixture of experts) the step's router figures count."""
 
         def fn(model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any], dict[str, Any]]:
             out = compose_loss(
@@ -334,9 +335,12 @@ class TrainerCore:
             )  # fmt: skip
             return out.loss, out.metrics, out.counts
 
-        balanced = self.router is not None and self.config.trainer.router_aux_loss_coef > 0 and rl_token_count
-        with self._autocast(), self.router.keeping() if balanced else nullcontext():
-            loss, metrics, counts = self.call(fn, self._with_reference(_to(batch, self.device)))
+        balanced = bool(self.router is not None and self.config.trainer.router_aux_loss_coef > 0 and rl_token_count)
+        watched = self.router is not None and (counted or balanced)
+        with self._autocast():
+            batch = self._with_reference(_to(batch, self.device))  # the reference's routing is not the policy's
+            with self.router.training(real_tokens(batch), counted, balanced) if watched else nullcontext():
+                loss, metrics, counts = self.call(fn, batch)
         balance = self.router.balance_loss() if balanced else None
         if balance is not None:  # an RL pass of a mixture of experts: weighted by its share of the tokens
             share = float(batch["loss_mask"].sum()) / rl_token_count
@@ -372,10 +376,8 @@ class TrainerCore:
         if self.config.trainer.diloco.replica_id is not None and self.islands is None:
             self._join_islands()
         weighted, rank_loss, sdpo_tokens = Weighted(), 0.0, 0.0
-        if self.router is not None:
-            self.router.take()  # what the last step's other forwards (a warm start, a checkpoint) counted
         for batch, weight in self._passes(rl_shards, rank):
-            loss, out, counts = self._loss(batch, max(1, rl_tokens) / self.world)
+            loss, out, counts = self._loss(batch, max(1, rl_tokens) / self.world, counted=bool(weight))
             (loss * weight).backward()
             if weight:
                 rank_loss += float(out.pop("loss/rl"))  # the rank's loss: its micro-batches' parts summed
@@ -401,9 +403,9 @@ class TrainerCore:
                         weighted.add(name, float(value), counts_by_rank[rank])
             if channel == "sdpo_" and sum(counts_by_rank):
                 sdpo_tokens = float(sum(counts_by_rank))  # every rank knows every rank's count
-        for name, value, tokens in self.router.take() if self.router is not None else ():
-            weighted.add(name, value, tokens)
         metrics = weighted.reduced(self.world)
+        if self.router is not None:
+            metrics.update(self.router.take(self.device))  # from the counts of every rank
         if sdpo_tokens:
             metrics["sdpo/tokens"] = sdpo_tokens
         metrics["loss/total"] = self._total(metrics)

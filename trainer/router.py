@@ -2,29 +2,61 @@
 
 A forward hook on each router (a module with `top_k` and `num_experts` whose forward returns
 `(router_logits, scores, expert_indices)`, as transformers' Qwen3-MoE router does) counts the
-tokens each expert is given over the step's forward passes, and the routers' entropy. transformers'
+tokens each expert is given and the routers' entropy, over the policy's own training tokens
+alone: only inside `training()` (an RL pass that trains, not a reference's, a teacher's or
+FSDP2's zero-weight spare pass) and only at the pass's real tokens (not padding). transformers'
 MoE layers dispatch every token to its top-k experts (no capacity limit), so none is dropped.
+The figures come from the counts summed over every rank: a ratio of sums, not a mean of the
+ranks' ratios (two ranks on disjoint experts are each all on half of them, together even).
 The same hooks keep a training forward's router logits (with their graph) for the load-balancing
-auxiliary loss (`trainer.router_aux_loss_coef`).
+auxiliary loss (`trainer.router_aux_loss_coef`), which is over the real tokens too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from meshrl.trainer.activations import recomputing
 
 
+def real_tokens(batch: dict[str, Any]) -> torch.Tensor:
+    """(rows, columns) bool: a batch's own tokens, its padding out. Padded rows carry an
+    `attention_mask`; packed rows a `sample_index`, −1 on padding (rollouts/packing.py)."""
+    if "attention_mask" in batch:
+        return batch["attention_mask"].bool()
+    if "sample_index" in batch:
+        return batch["sample_index"] >= 0
+    return torch.ones_like(batch["input_ids"], dtype=torch.bool)
+
+
+def router_figures(counts: torch.Tensor, entropy: float, tokens: float) -> dict[str, float]:
+    """The step's figures from its (layers, experts) assignment counts and its first layer's summed
+    per-token entropy over `tokens`: an expert's load is its count over its layer's mean count (1:
+    even, num_experts: every assignment on it), the max and min over every layer's experts. Empty
+    when no token was counted."""
+    if not tokens:
+        return {}
+    load = counts / counts.mean(-1, keepdim=True)
+    return {
+        "moe/expert_load_max": float(load.max()),
+        "moe/expert_load_min": float(load.min()),
+        "moe/router_entropy": entropy / tokens,
+    }
+
+
 class RouterStats:
-    """Counts kept from the routers' forwards since the last `take()`."""
+    """Counts kept from the routers' training forwards since the last `take()`."""
 
     def __init__(self, routers: list[nn.Module]) -> None:
         self.experts, self.top_k = routers[0].num_experts, routers[0].top_k
-        self.keep = False  # inside `keeping()`
+        self.real: torch.Tensor | None = None  # inside `training()`: the pass's real tokens, flat
+        self.count = self.keep = False  # inside `training()`
         self.counts = torch.zeros(len(routers), self.experts, dtype=torch.float64)
         self.entropy, self.tokens = 0.0, 0
         self.logits: list[torch.Tensor] = []  # a forward's router logits that carry a graph, layer by layer
@@ -38,48 +70,54 @@ class RouterStats:
         return cls(routers) if routers else None
 
     @contextmanager
-    def keeping(self) -> Iterator[None]:
-        """Keep the router logits of the forwards run inside (those with a graph) for `balance_loss`."""
-        self.keep, self.logits = True, []
+    def training(self, real: torch.Tensor, count: bool, keep: bool) -> Iterator[None]:
+        """The forwards inside are a pass over a batch whose real tokens are `real` (its (rows,
+        columns) mask): with `count` their routing counts toward the step's figures, with `keep`
+        their router logits (those with a graph) are kept for `balance_loss`."""
+        self.real, self.count, self.keep, self.logits = real.flatten(), count, keep, []
         try:
             yield
         finally:
-            self.keep = False
+            self.count = self.keep = False
 
     def _hook(self, layer: int):
-        def count(module: nn.Module, inputs: object, output: tuple[torch.Tensor, ...]) -> None:
-            if recomputing():  # a checkpointed layer's replay in backward: its forward was counted
+        def watch(module: nn.Module, inputs: object, output: tuple[torch.Tensor, ...]) -> None:
+            if recomputing():  # a checkpointed layer's replay in backward: its forward was seen
                 return
             logits, _, chosen = output
             if self.keep and logits.requires_grad:
                 self.logits.append(logits)
-            with torch.no_grad():
-                self.counts[layer] += torch.bincount(chosen.flatten().cpu(), minlength=self.experts).double()
-                if layer == 0:
-                    probs = logits.detach().float().softmax(-1)
-                    self.entropy += float(-(probs * probs.clamp_min(1e-12).log()).sum())
-                    self.tokens += logits.shape[0]
+            if self.count:
+                with torch.no_grad():
+                    real = self.real.to(chosen.device)
+                    self.counts[layer] += torch.bincount(chosen[real].flatten().cpu(), minlength=self.experts).double()
+                    if layer == 0:
+                        probs = logits[real].detach().float().softmax(-1)
+                        self.entropy += float(-(probs * probs.clamp_min(1e-12).log()).sum())
+                        self.tokens += int(real.sum())
 
-        return count
+        return watch
 
     def balance_loss(self) -> torch.Tensor | None:
-        """The load-balancing loss over the router logits `keeping()` kept (transformers'
-        `load_balancing_loss_func`: num_experts · Σ_e f_e · P_e, top-k when even), which then
-        go: None when none were kept."""
+        """The load-balancing loss over the router logits `training()` kept, at its real tokens
+        (transformers' `load_balancing_loss_func` with the padding masked: num_experts · Σ_e f_e ·
+        P_e, top-k when even), which then go: None when none were kept."""
         from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
         logits, self.logits = self.logits, []
-        return load_balancing_loss_func(tuple(logits), self.experts, self.top_k) if logits else None
+        if not logits:
+            return None
+        return load_balancing_loss_func(tuple(logits), self.experts, self.top_k, self.real.to(logits[0].device))
 
-    def take(self) -> list[tuple[str, float, float]]:
-        """(metric, value, tokens) since the last call, and the counts start again. The load of an
-        expert is its share of a layer's assignments × num_experts: 1 is even, num_experts all on it."""
-        if not self.tokens:
-            return []
-        load = self.counts / self.counts.sum(-1, keepdim=True).clamp_min(1) * self.experts
-        taken = [("moe/expert_load_max", float(load.max()), self.tokens),
-                 ("moe/expert_load_min", float(load.min()), self.tokens),
-                 ("moe/router_entropy", self.entropy / self.tokens, self.tokens)]  # fmt: skip
+    def take(self, device: torch.device) -> dict[str, float]:
+        """The figures of the counts since the last call summed over every rank (a collective
+        under torch.distributed: every rank calls it once a step; `device` is where the backend
+        reduces), and the counts start again."""
+        totals = torch.cat([self.counts.flatten(), torch.tensor([self.entropy, self.tokens], dtype=torch.float64)])
+        totals = totals.to(device)
+        if dist.is_initialized():
+            dist.all_reduce(totals)
+        totals = totals.cpu()
         self.counts.zero_()
         self.entropy, self.tokens = 0.0, 0
-        return taken
+        return router_figures(totals[:-2].view_as(self.counts), float(totals[-2]), float(totals[-1]))
