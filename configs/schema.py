@@ -85,7 +85,8 @@ class TinyModelConfig(Section):
 
 class LoraConfig(Section):
     """LoRA adapters through peft, with peft's names: only the adapters train (the optimizer holds
-    only them), and the DPO / ref_kl reference is the base model with the adapters off."""
+    only them), and the DPO / ref_kl reference is the policy RL starts from (a frozen copy of the
+    adapters after any warm start)."""
 
     r: int = Field(16, ge=1, description="Rank of each adapter.")
     lora_alpha: float = Field(32.0, gt=0, description="Scale numerator: an adapter's update is lora_alpha / r × B A.")

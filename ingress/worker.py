@@ -35,7 +35,7 @@ from meshrl.rollouts.chat import ChatSettings
 from meshrl.rollouts.episodes import EpisodeFormat, EpisodeLimits
 from meshrl.rollouts.scheduler import EpisodeScheduler, GroupRequest, Sampling
 from meshrl.tasks.base import Prompt, make_task
-from meshrl.trainer.lora import add_lora, merge_adapters
+from meshrl.trainer.lora import AdaptedWeight, add_lora, lora_plan, merge_adapters
 
 
 @dataclass
@@ -81,6 +81,7 @@ class RolloutWorker:
         self.loaded: tuple[str | None, int] = (None, -1)  # (controller epoch, policy version) running
         self.lora: LoraConfig | None = None  # the run's adapters' settings (a LoRA run)
         self.base: dict[str, torch.Tensor] = {}  # LoRA on vLLM: the base weights the adapters merge into
+        self.plan: list[AdaptedWeight] = []  # ... and how (`lora_plan`)
 
     def start(self) -> None:
         """Fetch the spec and the newest weights and start the engine."""
@@ -100,7 +101,7 @@ class RolloutWorker:
         if self.lora is not None and backend == "hf":
             add_lora(engine.model, self.lora).eval()  # the trainer's adapters, under the same names
         elif self.lora is not None:
-            self.base = base
+            self.base, self.plan = base, lora_plan(str(path), self.lora)
         engine.load_weights(self._policy(weights), version)
         task = make_task(TaskConfig(import_path=spec.task_import_path, kwargs=spec.task_kwargs))
         chat = ChatSettings(spec.renderer, spec.tool_parser, spec.chat_template_kwargs)
@@ -196,7 +197,7 @@ class RolloutWorker:
         them), or the adapted layers merged with the base (vLLM)."""
         if self.lora is None or not self.base:
             return weights
-        return merge_adapters(self.base, weights, self.lora)  # the whole model: vLLM takes whole updates
+        return merge_adapters(self.base, weights, self.plan)  # the whole model: vLLM takes whole updates
 
     def close(self) -> None:
         if self.scheduler is not None:

@@ -75,6 +75,10 @@ class Controller:
         self.model_path = resolve_model(config, self.run)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.task = make_task(config.task)
+        if config.model.lora is not None:  # adapters whose merged weights cannot be built are refused here
+            from meshrl.trainer.lora import lora_plan
+
+            lora_plan(self.model_path, config.model.lora)
         self.chat = ChatSettings.of(config.model)
         tools = task_tools(self.task)
         self.collator = TraceCollator(

@@ -69,7 +69,7 @@ def test_adapters_train_in_bf16_over_float32_masters_with_an_exact_reference(mod
     config = load_config([*LORA, "--model.dtype", "bfloat16", "--loss.replay.weight", "0.5"])
     core = TrainerCore(config, model_path)
     vocab = core.model.config.vocab_size
-    _, metrics = core._loss(dpo_batch(3, vocab))
+    _, metrics, _ = core._loss(dpo_batch(3, vocab))
     assert metrics["replay/margin"] == 0
     before = {n: p.detach().clone() for n, p in core.model.named_parameters()}
     step = core.train_step([[rl_batch(core.model, 0)]], [dpo_batch(4, vocab)], rl_tokens=10)
@@ -129,35 +129,108 @@ def test_an_hf_engine_with_the_adapters_injected_takes_them_alone_and_samples_th
     assert sum(v.numel() for v in sent.values()) < 0.2 * sum(v.numel() for v in full.values())
 
 
-def test_adapters_merged_on_the_receiving_side_match_peft(model_path):
-    """`merge_adapters` (a vLLM generator or worker that gets the adapters alone) and `merged_state`
-    (the trainer's merged weights) give peft's own merge (`merge_and_unload`) of every adapted layer,
-    and leave the rest as the base is."""
-    from meshrl.configs.schema import LoraConfig
-    from meshrl.trainer.lora import adapter_tensors, merge_adapters, merged_state
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_lora_reference_is_the_policy_rl_starts_from_and_resumes(tmp_path, dtype):
+    """After a warm start the reference is a frozen copy of the warm-started adapters: the replay
+    margin at the first RL step is 0 (it was 0.0343 with the base as the reference), and a
+    checkpoint brings that reference back, not the base."""
+    from tests.test_trainer_core import _sft_batch
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    config = load_config([*LORA, "--model.dtype", dtype, "--loss.replay.weight", "0.5", "--trainer.warm_start_lr",
+                          "0.05"])  # fmt: skip
+    path = str(ensure_tiny(tmp_path / "model", config.model.tiny))
+    core = TrainerCore(config, path)
+    vocab = core.model.config.vocab_size
+    for _ in range(5):
+        core.sft_step(_sft_batch(core.model))
+    assert core._loss(dpo_batch(3, vocab))[1]["replay/margin"] != 0  # the base is not where RL starts
+    core.start_rl()
+    assert core._loss(dpo_batch(3, vocab))[1]["replay/margin"] == 0
+    core.train_step([[rl_batch(core.model, 0)]], [dpo_batch(4, vocab)], rl_tokens=10)
+    core.save(tmp_path / "ckpt")
+    resumed = TrainerCore(config, path)
+    resumed.load(tmp_path / "ckpt")
+    for name, value in core.ref_call.state().items():
+        assert torch.equal(resumed.ref_call.state()[name], value), name
+    batch = dpo_batch(5, vocab)
+    chunk = config.model.logprob_chunk_size
+    scored = [c.ref_call(lambda model, b: reference_sums(model, b, chunk), batch) for c in (core, resumed)]
+    assert all(torch.equal(scored[0][k], scored[1][k]) for k in scored[0])
+
+
+MODULE_KINDS = {
+    "linear": (QWEN_TIED, "all-linear"),  # SmolLM2 and the tiny Qwen3: every linear layer
+    "experts and router": (["--model.tiny.family", "qwen3_moe", "--model.tiny.num_experts", "4"], "all-linear"),
+    "embedding and an untied head": (["--model.tiny.family", "llama"], ["embed_tokens", "q_proj", "lm_head"]),
+}
+
+
+@pytest.mark.parametrize("kind", MODULE_KINDS)
+def test_adapters_merged_match_peft_on_every_module_kind(kind, tmp_path):
+    """`merged_state` (the trainer's merged weights) and `merge_adapters` with the plan an engine
+    holding only the base builds (`lora_plan`: a vLLM generator or worker) give peft's own merge
+    (`merge_and_unload`) of every adapted weight: linear layers, fused experts (peft wraps them
+    twice), the MoE router, the input embedding, an untied head; the rest stays the base's."""
+    from meshrl.configs.schema import LoraConfig
+    from meshrl.trainer.lora import adapted_weights, adapter_tensors, lora_plan, merge_adapters, merged_state
+
+    shape, targets = MODULE_KINDS[kind]
+    path = str(ensure_tiny(tmp_path / "model", load_config(shape).model.tiny))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     base = {k: v.clone() for k, v in model.state_dict().items()}
-    lora = LoraConfig(r=4, lora_alpha=12)
+    lora = LoraConfig(r=4, lora_alpha=12, target_modules=targets)
     peft_model = add_lora(model, lora)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if ".lora_" in name:
                 p.normal_()
+    plan = adapted_weights(model)
+    assert plan == lora_plan(path, lora)  # what the meta-device build of the same adapters plans
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    adapters = adapter_tensors(state)
-    merged = merge_adapters(base, adapters, lora)
-    whole = merged_state(state, lora)
+    merged = merge_adapters(base, adapter_tensors(state), plan)
+    whole = merged_state(state, plan)
     expected = peft_model.merge_and_unload().state_dict()
-    adapted = {key.replace(".lora_A.default.weight", ".weight") for key in adapters if ".lora_A." in key}
-    assert adapted and merged.keys() == whole.keys() == expected.keys()
+    adapted = {a.weight for a in plan}
+    assert merged.keys() == whole.keys() == expected.keys() == base.keys()
+    assert {a.kind for a in plan} == {"linear": {"linear"}, "experts and router": {"linear", "experts"},
+                                      "embedding and an untied head": {"linear", "embedding"}}[kind]  # fmt: skip
     for key, value in whole.items():
         torch.testing.assert_close(value, expected[key], rtol=1e-5, atol=1e-5)
         assert torch.equal(merged[key], value)
         if key in adapted:
-            assert not torch.allclose(value, base[key], atol=1e-3)
+            assert not torch.allclose(value, base[key], atol=1e-3), key
         else:
-            assert torch.equal(value, base[key])
+            assert torch.equal(value, base[key]), key
+
+
+def test_a_checkpoint_of_embedding_adapters_resumes(tmp_path):
+    """peft saves an embedding's adapters without `.weight` (lora_embedding_A): they map back to the
+    model's own names on resume, where they were refused as not fitting model.lora."""
+    config = load_config(["--model.tiny.family", "llama", "--model.lora",
+                          '{"r": 4, "target_modules": ["embed_tokens", "q_proj"]}', "--trainer.lr", "1e-2"])  # fmt: skip
+    path = str(ensure_tiny(tmp_path / "model", config.model.tiny))
+    core = TrainerCore(config, path)
+    core.train_step([[rl_batch(core.model, 0)]], [None], rl_tokens=10)
+    core.train_step([[rl_batch(core.model, 1)]], [None], rl_tokens=10)
+    core.save(tmp_path / "ckpt")
+    resumed = TrainerCore(config, path)
+    resumed.load(tmp_path / "ckpt")
+    trained = {n: p for n, p in core.model.named_parameters() if ".lora_" in n}
+    assert any("lora_embedding_B" in n and p.abs().sum() > 0 for n, p in trained.items())
+    for name, value in resumed.model.named_parameters():
+        if ".lora_" in name:
+            assert torch.equal(value, trained[name]), name
+
+
+def test_adapters_on_a_tied_head_are_refused_at_start_up(tmp_path):
+    """The tiny Qwen3 ties its head to its input embedding: merged weights could not keep one tensor
+    for both, so adapters there are refused before any mesh starts, naming the module."""
+    from meshrl.configs.schema import LoraConfig
+    from meshrl.trainer.lora import lora_plan
+
+    path = str(ensure_tiny(tmp_path / "model", load_config(QWEN_TIED).model.tiny))
+    with pytest.raises(ValueError, match=r"model.embed_tokens \(the head and the input embedding share one tensor"):
+        lora_plan(path, LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"]))
 
 
 @pytest.mark.mesh  # a two-proc Monarch mesh
@@ -222,11 +295,13 @@ def test_adapters_on_two_fsdp2_ranks_match_one_rank_and_their_checkpoint_resumes
 
 
 @pytest.mark.mesh
-def test_a_lora_run_through_the_meshes_on_two_ddp_ranks_resumes_and_exports_its_adapters(tmp_path):
-    """Two DDP trainer ranks all-reducing the adapters' gradients, the DPO reference with the adapters
-    off, generators on the merged weights; a checkpoint, a resume to the end, and `final/adapter/`."""
+def test_a_lora_run_on_the_moe_shape_through_the_meshes_on_two_ddp_ranks_resumes_and_exports(tmp_path):
+    """The MoE shape, whose adapters include the fused experts and the router: two DDP trainer ranks
+    all-reducing the adapters' gradients, the DPO reference a frozen copy of the adapters,
+    generators on the merged weights; a checkpoint, a resume to the end, and `final/adapter/`."""
     out = tmp_path / "run"
-    run = ["--model.lora", '{"r": 4, "lora_alpha": 8}', "--topology.trainer.procs", "2", "--ckpt.interval", "2",
+    run = ["--model.tiny.family", "qwen3_moe", "--model.tiny.num_experts", "4", "--model.tiny.experts_per_token", "2",
+           "--model.lora", '{"r": 4, "lora_alpha": 8}', "--topology.trainer.procs", "2", "--ckpt.interval", "2",
            "--loss.replay.variant", "dpo", "--generator.weight_sync", "filesystem", "--trainer.lr", "1e-2",
            "--generator.max_async_level", "0"]  # fmt: skip
     first = train(out, *run, "--max-steps", "2")
@@ -238,10 +313,12 @@ def test_a_lora_run_through_the_meshes_on_two_ddp_ranks_resumes_and_exports_its_
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     # The generators' HF engines hold the adapters and are sent them alone: they sample the trainer's policy.
     # (on-policy, at lr 1e-2 the adapters move: engines left on older adapters would sample another policy)
-    assert all(r["unmasked_mismatch_kl"] < 1e-4 for r in rows), [r["unmasked_mismatch_kl"] for r in rows]
+    assert all(r["unmasked_mismatch_kl"] < 1e-4 for r in rows if r["unmasked_mismatch_kl"] is not None)
     assert all(r["grad_norm"] > 0 for r in rows[1:]) and any(r.get("loss/replay", 0) != 0 for r in rows)
     assert (out / "final" / "adapter" / "adapter_config.json").is_file()
     exported = AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32)
     base = AutoModelForCausalLM.from_pretrained(out / "tiny_model", dtype=torch.float32)
-    changed = [n for n, p in exported.named_parameters() if not torch.equal(p, base.state_dict()[n])]
-    assert changed and all("proj" in n for n in changed)  # the adapted linear layers, nothing else
+    changed = {n for n, p in exported.named_parameters() if not torch.equal(p, base.state_dict()[n])}
+    experts = {n for n in changed if n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    assert experts and any(n.endswith("mlp.gate.weight") for n in changed)  # fused experts and router merged
+    assert all("proj" in n or n.endswith("mlp.gate.weight") for n in changed)  # the adapted weights, nothing else

@@ -36,6 +36,7 @@ class TrainerState:
     islands: dict[str, Any] | None = None  # DiLoCo's outer state (`Islands.state`) when training in islands
     adapters: dict[str, torch.Tensor] | None = None  # LoRA: the adapters' tensors, what a resume loads
     adapter_config: Any = None  # LoRA: peft's config of them, saved beside them in peft's format
+    reference_adapters: dict[str, torch.Tensor] | None = None  # LoRA: the frozen adapters the reference uses
 
 
 def own_copy(state: Any, clone_tensors: bool) -> Any:
@@ -66,6 +67,7 @@ def write_checkpoint(
             "skipped_steps": state.skipped_steps,
             "rng": state.rng,
             "islands": state.islands,
+            "reference_adapters": state.reference_adapters,
         },
         directory / "trainer.pt",
     )

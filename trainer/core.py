@@ -22,7 +22,6 @@ from __future__ import annotations
 import copy
 import math
 import random
-from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoModelForCausalLM
 
 from meshrl.configs.schema import RefKlLoss, RunConfig
@@ -103,16 +102,58 @@ class ModelCall(nn.Module):
 
 
 @dataclass
-class AdaptersOff:
-    """The LoRA reference: the policy's own call with its adapters off (peft's `disable_adapter`),
-    so it shares the model and, under FSDP2, the root unit that gathers its parameters."""
+class FrozenAdapters:
+    """The LoRA reference: the policy's own call with its adapters' values swapped for a frozen copy
+    of the adapters RL started from (the base model, B = 0, until a warm start trained them), so it
+    shares the model and, under FSDP2, the root unit that gathers its parameters. The swap is made
+    and undone around the reference's forward, which runs before the policy's (nothing autograd
+    saved sees it)."""
 
     call: ModelCall
-    context: Callable[[], AbstractContextManager]
+    names: list[str]
+    live: list[nn.Parameter]
+    frozen: list[torch.Tensor]
+
+    @classmethod
+    def of(cls, call: ModelCall) -> FrozenAdapters:
+        named = [(name, p) for name, p in call.model.named_parameters() if ".lora_" in name]
+        return cls(call, [n for n, _ in named], [p for _, p in named], [p.detach().clone() for _, p in named])
 
     def __call__(self, fn: Any, *args: Any) -> Any:
-        with self.context():
+        with torch.no_grad():
+            kept = [p.detach().clone() for p in self.live]
+            for p, frozen in zip(self.live, self.frozen, strict=True):
+                p.copy_(frozen)
+        torch.clear_autocast_cache()  # autocast keeps one cast per weight for the region: not the live values'
+        try:
             return self.call(fn, *args)
+        finally:
+            with torch.no_grad():
+                for p, value in zip(self.live, kept, strict=True):
+                    p.copy_(value)
+            torch.clear_autocast_cache()  # nor the frozen values' for the policy's forward
+
+    def take(self) -> None:
+        """The adapters as they are now become the reference (RL starts here)."""
+        with torch.no_grad():
+            for p, frozen in zip(self.live, self.frozen, strict=True):
+                frozen.copy_(p)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The frozen adapters, whole and on CPU (every rank calls: under FSDP2 each is gathered)."""
+        return {name: _whole(t) for name, t in zip(self.names, self.frozen, strict=True)}
+
+    def load(self, state: dict[str, torch.Tensor]) -> None:
+        """A checkpoint's frozen adapters, each rank keeping its own shard."""
+        with torch.no_grad():
+            for name, frozen in zip(self.names, self.frozen, strict=True):
+                whole = state[name].to(frozen.device, frozen.dtype)
+                frozen.copy_(distribute_tensor(whole, frozen.device_mesh, frozen.placements)
+                             if isinstance(frozen, DTensor) else whole)  # fmt: skip
+
+
+def _whole(value: torch.Tensor) -> torch.Tensor:
+    return (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu()
 
 
 def shard_fsdp2(call: ModelCall, compute_dtype: torch.dtype) -> None:
@@ -203,12 +244,13 @@ class TrainerCore:
         # Before LoRA and FSDP2 wrap the layers: the flag lives on each decoder layer (trainer/activations.py).
         self.checkpointed_layers = enable_checkpointing(self.model, config.trainer, self.device)
         # LoRA (`model.lora`): adapters injected into `self.model` in place; only they train, and the
-        # reference is the same model with them off (no second copy).
+        # reference is the same model with a frozen copy of the adapters (no second copy of the model).
         self.adapters = None
         if config.model.lora is not None:
-            from meshrl.trainer.lora import add_lora  # peft: the [lora] extra
+            from meshrl.trainer.lora import adapted_weights, add_lora  # peft: the [lora] extra
 
             self.adapters = add_lora(self.model, config.model.lora)
+            self.lora_plan = adapted_weights(self.model)  # how the merged weights are built
         loss = config.loss
         # One frozen reference: the DPO channel's, and ref_kl's (its `reference_path`, else the policy RL
         # starts from). It keeps float32 and computes as the policy does (autocast on one rank or DDP,
@@ -230,15 +272,15 @@ class TrainerCore:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.fsdp = config.trainer.parallelism == "fsdp2" and self.world > 1
         self.call = ModelCall(self.model)
-        self.ref_call: ModelCall | AdaptersOff | None = (
+        self.ref_call: ModelCall | FrozenAdapters | None = (
             ModelCall(self.ref_model) if self.ref_model is not None else None
         )
-        if needs_ref and not self.fixed_ref and self.adapters is not None:
-            self.ref_call = AdaptersOff(self.call, self.adapters.disable_adapter)
         if self.fsdp:
             shard_fsdp2(self.call, self.compute_dtype)
             if isinstance(self.ref_call, ModelCall):
                 shard_fsdp2(self.ref_call, self.compute_dtype)
+        if needs_ref and not self.fixed_ref and self.adapters is not None:  # after sharding: copies of the shards
+            self.ref_call = FrozenAdapters.of(self.call)
         # After sharding: FSDP2 replaces the parameters with sharded ones, which the optimizer must hold.
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.router = RouterStats.attach(self.model)  # a mixture of experts: its expert load per step
@@ -446,11 +488,13 @@ class TrainerCore:
         return [prefix for prefix, weight in (("dpo_", loss.replay.weight), ("sdpo_", loss.sdpo.weight)) if weight > 0]
 
     def start_rl(self) -> None:
-        """After a warm start: the DPO reference becomes the policy RL starts from (with LoRA it stays
-        the base model, the adapters off), and RL starts with fresh AdamW moments (the warm start's, at
+        """After a warm start: the DPO reference becomes the policy RL starts from (with LoRA a frozen
+        copy of the warm-started adapters), and RL starts with fresh AdamW moments (the warm start's, at
         its own learning rate, would steer the first RL steps) unless `trainer.warm_start_keep_optimizer`."""
         if not self.config.trainer.warm_start_keep_optimizer:
             self.optimizer.state.clear()
+        if isinstance(self.ref_call, FrozenAdapters):
+            self.ref_call.take()
         if self.ref_model is not None and not self.fixed_ref:  # shard to shard (sharded alike under FSDP2)
             with torch.no_grad():
                 for ref, param in zip(self.ref_model.parameters(), self.model.parameters(), strict=True):
@@ -490,10 +534,10 @@ class TrainerCore:
             full = self._adapters_state()
         else:
             full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-            if self.adapters is not None:  # LoRA: each adapted weight merged with its adapter, under the base names
+            if self.adapters is not None and full:  # LoRA (rank 0 holds the gathered state): adapted weights merged
                 from meshrl.trainer.lora import merged_state
 
-                full = merged_state(full, self.config.model.lora)
+                full = merged_state(full, self.lora_plan)
         return full if dtype is None else {name: value.to(dtype) for name, value in full.items()}
 
     def _adapters_state(self) -> dict[str, torch.Tensor]:
@@ -516,15 +560,17 @@ class TrainerCore:
         weights = self.weights()
         optimizer = get_optimizer_state_dict(self.model, self.optimizer, options=options)
         reference = get_model_state_dict(self.ref_model, options=options) if self.ref_model is not None else None
-        adapters = None
+        adapters = frozen = None
         if self.adapters is not None:
             from meshrl.trainer.lora import peft_names
 
             adapters = peft_names(self.adapters, self._adapters_state())
+        if isinstance(self.ref_call, FrozenAdapters):
+            frozen = self.ref_call.state()
         if self.rank != 0:
             return
-        weights, optimizer, reference, scheduler, adapters = own_copy(
-            (weights, optimizer, reference, self.scheduler.state_dict(), adapters),
+        weights, optimizer, reference, scheduler, adapters, frozen = own_copy(
+            (weights, optimizer, reference, self.scheduler.state_dict(), adapters, frozen),
             clone_tensors=self.device.type == "cpu",
         )
         state = TrainerState(
@@ -537,6 +583,7 @@ class TrainerCore:
             islands=self.islands.state() if self.islands is not None else self._islands_state,
             adapters=adapters,
             adapter_config=self.adapters.peft_config["default"] if self.adapters is not None else None,
+            reference_adapters=frozen,
         )
         directory = Path(directory)
         self.writer.submit(
@@ -571,6 +618,8 @@ class TrainerCore:
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
+        if isinstance(self.ref_call, FrozenAdapters) and state.get("reference_adapters") is not None:
+            self.ref_call.load(state["reference_adapters"])  # absent before they were saved: the base, as then
         if self.ref_model is not None and (directory / "reference").exists():
             reference = AutoModelForCausalLM.from_pretrained(directory / "reference", dtype=torch.float32)
             set_model_state_dict(self.ref_model, reference.state_dict(), options=options)

@@ -9,8 +9,9 @@ here reads full state dicts, so it serves a sharded model (FSDP2, gathered) as a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from safetensors.torch import load_file
@@ -51,29 +52,99 @@ def adapter_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {key: value for key, value in state.items() if ".lora_" in key}
 
 
-def merged_state(state: dict[str, torch.Tensor], config: LoraConfig) -> dict[str, torch.Tensor]:
-    """An adapted model's state dict as the plain model's: the base model's names, each adapted
-    layer's weight merged with its adapter's delta (`merge_adapters`)."""
-    base = {key.replace(".base_layer.", "."): value for key, value in state.items() if ".lora_" not in key}
-    return merge_adapters(base, adapter_tensors(state), config)
+def plain_name(name: str) -> str:
+    """A name in the adapted model as the plain model has it: every `base_layer` level peft added
+    (nested when two adapters wrap one module, as on fused experts) left out."""
+    return ".".join(part for part in name.split(".") if part != "base_layer")
+
+
+@dataclass(frozen=True)
+class AdaptedWeight:
+    """One weight of the plain model that an adapter changes, where its A and B tensors are (the
+    adapted model's names) and how peft computes its delta from them."""
+
+    weight: str
+    a: str
+    b: str
+    kind: Literal["linear", "embedding", "experts"]
+    scaling: float
+    fan_in_fan_out: bool = False
+    experts: int = 1
+    swapped: bool = False  # fused experts stored (experts, out, in) rather than (experts, in, out)
+
+    def delta(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """The weight's update, as peft's `get_delta_weight` computes it (in float32)."""
+        a, b = a.float(), b.float()
+        if self.kind == "experts" and self.experts > 1:
+            a = a.reshape(self.experts, -1, a.shape[-1])  # experts x r x in
+            b = b.reshape(b.shape[0], -1, self.experts)  # out x r x experts
+            return torch.einsum("ore,eri->eoi" if self.swapped else "ore,eri->eio", b, a) * self.scaling
+        delta = (b @ a) * self.scaling
+        return delta.T if self.kind == "embedding" or self.fan_in_fan_out else delta
+
+
+def adapted_weights(model: nn.Module) -> list[AdaptedWeight]:
+    """Every weight the adapters injected into `model` change; refuses (naming them) the adapted
+    modules whose merge is not known here, and a head or embedding tied to the other, whose merged
+    weights could not stay tied: a run that trains them could not save, sync or export."""
+    from peft.tuners.lora.layer import Embedding, Linear, LoraLayer, ParamWrapper
+
+    plan, refused = [], []
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    ends = (model.get_output_embeddings(), model.get_input_embeddings())
+    for name, module in model.named_modules():
+        if not isinstance(module, LoraLayer) or ADAPTER not in module.scaling:
+            continue
+        plain, scaling = plain_name(name), float(module.scaling[ADAPTER])
+        lora = f"{name}.lora_A.{ADAPTER}.weight", f"{name}.lora_B.{ADAPTER}.weight"
+        if isinstance(module, ParamWrapper):
+            plan.append(AdaptedWeight(f"{plain}.{module.parameter_name}", *lora, "experts", scaling,
+                                      experts=module.num_experts, swapped=module._did_swap_in_out_features))  # fmt: skip
+        elif isinstance(module, Embedding):
+            a, b = f"{name}.lora_embedding_A.{ADAPTER}", f"{name}.lora_embedding_B.{ADAPTER}"
+            plan.append(AdaptedWeight(f"{plain}.weight", a, b, "embedding", scaling))
+        elif isinstance(module, Linear):
+            plan.append(AdaptedWeight(f"{plain}.weight", *lora, "linear", scaling, module.fan_in_fan_out))
+        else:
+            refused.append(f"{plain} ({type(module).__name__})")
+        if tied and any(own is end for own in (module, module.get_base_layer()) for end in ends):
+            refused.append(f"{plain} (the head and the input embedding share one tensor in this model)")
+    if refused:
+        raise ValueError(f"model.lora.target_modules adapts modules whose merged weights meshrl cannot build: "
+                         f"{', '.join(refused)}; leave them out of target_modules")  # fmt: skip
+    return plan
+
+
+def lora_plan(model_path: str, config: LoraConfig) -> list[AdaptedWeight]:
+    """`adapted_weights` of the model at `model_path` with `config`'s adapters, built on the meta
+    device (no weights read): the start-up check, and the merge plan of an engine that holds only
+    the base weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+        add_lora(model, config)
+    return adapted_weights(model)
+
+
+def merged_state(state: dict[str, torch.Tensor], plan: list[AdaptedWeight]) -> dict[str, torch.Tensor]:
+    """An adapted model's state dict as the plain model's: the plain names, each adapted weight
+    merged with its adapter's delta (`merge_adapters`)."""
+    base = {plain_name(key): value for key, value in state.items() if ".lora_" not in key}
+    return merge_adapters(base, adapter_tensors(state), plan)
 
 
 def merge_adapters(
-    base: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], config: LoraConfig
+    base: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], plan: list[AdaptedWeight]
 ) -> dict[str, torch.Tensor]:
-    """The base weights with each adapted layer's merged: its base weight plus lora_alpha / r × B A
-    from adapters under the adapted model's names (`adapter_tensors`). For an engine that cannot
-    hold adapters itself (vLLM): the adapters travel, the base stays where it is."""
-    suffix = f".lora_A.{ADAPTER}.weight"
+    """The base weights with each adapted weight merged: base + its delta from the adapters (under
+    the adapted model's names, `adapter_tensors`). For an engine that cannot hold adapters itself
+    (vLLM): the adapters travel, the base stays where it is."""
     merged = dict(base)
-    for key, a in adapters.items():
-        if not key.endswith(suffix):
-            continue
-        prefix = key[: -len(suffix)]
-        b = adapters[f"{prefix}.lora_B.{ADAPTER}.weight"]
-        weight = base[f"{prefix}.weight"]
-        delta = (config.lora_alpha / config.r) * (b.float() @ a.float())
-        merged[f"{prefix}.weight"] = (weight.float() + delta).to(weight.dtype)
+    for adapted in plan:
+        weight = base[adapted.weight]
+        delta = adapted.delta(adapters[adapted.a], adapters[adapted.b])
+        merged[adapted.weight] = (weight.float() + delta).to(weight.dtype)
     return merged
 
 
@@ -87,12 +158,13 @@ def peft_names(adapters: PeftModel, state: dict[str, torch.Tensor]) -> dict[str,
 
 
 def saved_adapters(model: nn.Module, directory: Path) -> dict[str, torch.Tensor]:
-    """A checkpoint's adapters (`adapter/adapter_model.safetensors`, peft's names) under the adapted
-    `model`'s names, checked to be exactly the adapters `model.lora` made."""
+    """A checkpoint's adapters (`adapter/adapter_model.safetensors`, peft's names: the adapter's
+    name left out) under the adapted `model`'s names, checked to be exactly the adapters
+    `model.lora` made."""
     saved = load_file(directory / "adapter_model.safetensors")
-    own = {f"{key.removeprefix('base_model.model.').removesuffix('.weight')}.{ADAPTER}.weight": value
-           for key, value in saved.items()}  # fmt: skip
     expected = set(adapter_tensors(model.state_dict()))
+    ours = {f"base_model.model.{key.replace(f'.{ADAPTER}', '')}": key for key in expected}
+    own = {ours.get(key, key): value for key, value in saved.items()}
     if set(own) != expected:
         raise ValueError(f"{directory}: the adapters do not fit model.lora (missing {sorted(expected - set(own))[:3]}, "
                          f"unexpected {sorted(set(own) - expected)[:3]})")  # fmt: skip
