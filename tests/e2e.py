@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from meshrl.configs import load_config
+from meshrl.configs.run_record import run_sources
 from meshrl.run.metric_names import meaning
 from meshrl.topology.faults import worker_reachable
 
@@ -70,8 +71,9 @@ LOSS_SWAPS = {
 
 
 def assert_loss_swap(out: Path, swap: str) -> None:
-    """The run in `out` trained every step with the swapped loss, as its saved config says."""
-    config = load_config(["@", str(out / "config.toml")])
+    """The run in `out` trained every step with the swapped loss, as its config says (config.toml and
+    the changes its resumes recorded)."""
+    config = load_config(before=run_sources(out))
     metrics = records(out)
     assert [r["step"] for r in metrics] == list(range(config.max_steps))
     assert all("loss/total" in r for r in metrics)
