@@ -544,10 +544,7 @@ class TrainerCore:
         """The adapters' tensors, whole and on CPU (every rank calls: under FSDP2 each is gathered)."""
         from meshrl.trainer.lora import adapter_tensors
 
-        return {
-            name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu()
-            for name, value in adapter_tensors(self.model.state_dict()).items()
-        }
+        return {name: _whole(value) for name, value in adapter_tensors(self.model.state_dict()).items()}
 
     def save(self, directory: str | Path, wait: bool = True) -> None:
         """Model (safetensors), optimizer, scheduler and RNG state into `directory`.
