@@ -122,7 +122,10 @@ class ModelConfig(Section):
         "auto",
         description="Message <-> token conversion: a `renderers` renderer (qwen3, llama-3, deepseek-r1, ...), "
         "'template' (the model's chat template with tool_parser; refused at start-up unless it renders tool "
-        "turns prefix by prefix), or 'auto' (the renderer `renderers` maps the model's name to, else 'template').",
+        "turns prefix by prefix), 'hermes' (meshrl's Hermes template, Qwen2.5's tool convention, over the "
+        "tokenizer's ChatML tokens, for a ChatML model whose template renders no tool calls, e.g. SmolLM2; "
+        "checkpoints and exports save it as the tokenizer's chat template), or 'auto' (the renderer `renderers` "
+        "maps the model's name to, else 'template').",
     )
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict,
@@ -131,7 +134,8 @@ class ModelConfig(Section):
     tool_parser: ToolParserName = Field(
         "hermes",
         description="With renderer 'template': how sampled turns become tool calls: hermes (Hermes/Qwen <tool_call> "
-        "JSON; tiny is the same form), llama3 (JSON calls, <|python_tag|>), mistral ([TOOL_CALLS]).",
+        "JSON; tiny is the same form), llama3 (JSON calls, <|python_tag|>), mistral ([TOOL_CALLS]). Renderer "
+        "'hermes' reads the hermes form whatever this says.",
     )
 
     _template_kwargs_have_no_nulls = field_validator("chat_template_kwargs")(_no_nulls)
@@ -139,7 +143,7 @@ class ModelConfig(Section):
     @field_validator("renderer")
     @classmethod
     def _known_renderer(cls, name: str) -> str:
-        if name in ("auto", "template"):
+        if name in ("auto", "template", "hermes"):
             return name
         if name == "default":
             raise ValueError("'default' (renderers' apply_chat_template fallback) is what 'template' does here")
@@ -586,6 +590,12 @@ class HfTeacher(Section):
     name: str = Field(..., min_length=1, description="Teacher name recorded on mined pairs.")
     path: str = Field(..., min_length=1, description="Local HF model directory.")
     tool_parser: ToolParserName = Field("hermes", description="The teacher's tool-call form (see model.tool_parser).")
+    renderer: Literal["template", "hermes"] = Field(
+        "template",
+        description="How the teacher's prompts render: its own chat template, or meshrl's Hermes template over its "
+        "ChatML tokens (see model.renderer; reads the hermes form), for a ChatML model whose template renders no "
+        "tool calls (SmolLM2).",
+    )
 
 
 class OpenAITeacher(Section):

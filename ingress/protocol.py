@@ -83,7 +83,7 @@ class Spec(Message):
     top_p: float
     max_new_tokens: int
     dtype: str
-    renderer: str  # resolved: "template" or a `renderers` name
+    renderer: str  # resolved: "template", "hermes" or a `renderers` name
     tool_parser: str
     chat_template_kwargs: dict[str, Any]
     model_files: dict[str, str]  # file name -> base64 content

@@ -27,6 +27,7 @@ from transformers import (
 )
 
 from meshrl.configs.schema import TinyModelConfig
+from meshrl.models.chat_templates import shipped
 from meshrl.models.saved import ensure_model_dir
 
 FAMILIES = {
@@ -52,44 +53,12 @@ CHATML_TEMPLATE = (
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif -%}"
 )
 
-# Hermes, as Qwen2.5/Qwen3 checkpoints ship it: tool schemas (`tools=`) in the system turn,
-# each call a <tool_call> block of its own lines, and the results of consecutive tool messages
-# as <tool_response> blocks inside one user turn.
-HERMES_TEMPLATE = (
-    "{%- set rest = messages[1:] if messages and messages[0]['role'] == 'system' else messages -%}"
-    "{%- if tools -%}"
-    "{{ '<|im_start|>system\\n' }}"
-    "{%- if rest is not sameas messages %}{{ messages[0]['content'] + '\\n\\n' }}{% endif -%}"
-    "{{ '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n<tools>' }}"
-    "{%- for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor -%}"
-    "{{ '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments '"
-    "'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, '"
-    "'\"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
-    "{%- elif rest is not sameas messages %}{{ '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
-    "{%- endif -%}"
-    "{%- for message in rest -%}"
-    "{%- if message['role'] == 'tool' -%}"
-    "{%- if loop.first or rest[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif -%}"
-    "{{ '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
-    "{%- if loop.last or rest[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\\n' }}{% endif -%}"
-    "{%- else -%}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['content'] %}{{ message['content'] }}{% endif -%}"
-    "{%- for call in message.get('tool_calls') or [] -%}"
-    "{%- if message['content'] or not loop.first %}{{ '\\n' }}{% endif -%}"
-    "{{ '<tool_call>\\n' }}"
-    "{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}"
-    "{{ '\\n</tool_call>' }}"
-    "{%- endfor -%}"
-    "{{ '<|im_end|>\\n' }}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif -%}"
-)
-# Qwen3's template as Qwen3 checkpoints ship it (thinking, Hermes tools; not prefix-preserving,
-# so a run with it takes the `renderers` qwen3 renderer).
-QWEN3_TEMPLATE = (Path(__file__).parent / "templates" / "qwen3.jinja").read_text()
-CHAT_TEMPLATES = {"chatml": CHATML_TEMPLATE, "hermes": HERMES_TEMPLATE, "qwen3": QWEN3_TEMPLATE}
+# The shipped templates (models/chat_templates.py): hermes, the Hermes tool convention Qwen2.5 ships
+# (tool schemas in the system turn, each call a <tool_call> block of its own lines, the results of
+# consecutive tool messages as <tool_response> blocks inside one user turn), which
+# `model.renderer = "hermes"` renders with too; qwen3, Qwen3's template as its checkpoints ship it
+# (thinking, Hermes tools; not prefix-preserving, so a run with it takes the `renderers` qwen3 renderer).
+CHAT_TEMPLATES = {"chatml": CHATML_TEMPLATE, "hermes": shipped("hermes"), "qwen3": shipped("qwen3")}
 # Whole tokens of each template's tool scaffolding (kept by decode(skip_special_tokens=True)).
 TOOL_TOKENS = {
     "chatml": ["<tool_call>", "</tool_call>"],

@@ -9,7 +9,11 @@ Two paths, chosen once per run (`model.renderer`):
 - the model's own chat template, with meshrl's tool-call parsers, for the families `renderers`
   lacks: accepted only when it renders a tool cycle as an extension of the conversation, checked
   on a probe at start-up, so a template that is not prefix-preserving is refused before any
-  rollout, never mid-run.
+  rollout, never mid-run;
+- "hermes": the template path with meshrl's Hermes template (`models/templates/hermes.jinja`) in
+  place of the model's own, over the tokenizer's ChatML tokens, for ChatML-family models whose
+  template renders no tool calls (SmolLM2-135M-Instruct): the template text is passed to every
+  rendering, the tokenizer is left as loaded.
 
 Either way a rollout's ids are the exact sampled ids plus the scaffolding between turns.
 """
@@ -27,6 +31,7 @@ from transformers import PreTrainedTokenizerBase
 
 from meshrl.configs.schema import ModelConfig
 from meshrl.inference.toolcalls import decode_turn, split_reasoning, tool_call
+from meshrl.models.chat_templates import HERMES, hermes_refusal, is_chatml, renderer_template
 from meshrl.traces.collator import TraceCollator
 
 TEMPLATE = "template"
@@ -35,7 +40,7 @@ _PROBE_TOOL = "meshrl_probe"
 
 @dataclass(frozen=True)
 class ChatSettings:
-    """A run's chat format, resolved: `renderer` is "template" or a `renderers` name."""
+    """A run's chat format, resolved: `renderer` is "template", "hermes" or a `renderers` name."""
 
     renderer: str = TEMPLATE
     tool_parser: str = "hermes"  # the template path's tool-call form
@@ -45,11 +50,18 @@ class ChatSettings:
     def of(cls, model: ModelConfig) -> ChatSettings:
         """`model.renderer = "auto"`: the renderer `renderers` maps `model.path` (a hub id) to, else
         the template. Resolved from the config, not from a tokenizer's name, so every process of a
-        run (and `meshrl eval` on a checkpoint directory) resolves it alike."""
+        run (and `meshrl eval` on a checkpoint directory) resolves it alike. "hermes" reads its own
+        form: `model.tool_parser` is for the model's template."""
         renderer = model.renderer
         if renderer == "auto":
             renderer = MODEL_RENDERER_MAP.get(model.path, TEMPLATE)
-        return cls(renderer, model.tool_parser, dict(model.chat_template_kwargs))
+        parser = "hermes" if renderer == HERMES else model.tool_parser
+        return cls(renderer, parser, dict(model.chat_template_kwargs))
+
+    @property
+    def chat_template(self) -> str | None:
+        """The template text rendered in place of the tokenizer's own (None: its own)."""
+        return renderer_template(self.renderer)
 
 
 def _assistant(content: str, reasoning: str | None, calls: list[dict[str, Any]]) -> dict[str, Any]:
@@ -153,16 +165,21 @@ class RendererChat:
 
 
 class TemplateChat:
-    """The tokenizer's own chat template and meshrl's tool-call parser `settings.tool_parser`."""
+    """A chat template (the tokenizer's own, or meshrl's Hermes for `renderer = "hermes"`) and
+    meshrl's tool-call parser `settings.tool_parser`."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, settings: ChatSettings,
                  tools: list[dict[str, Any]] | None) -> None:  # fmt: skip
-        self.tokenizer, self.tool_parser = tokenizer, settings.tool_parser
-        self.collator = TraceCollator(tokenizer, tools=tools, template_kwargs=settings.template_kwargs)
+        if settings.renderer == HERMES and not is_chatml(tokenizer):
+            raise ValueError(hermes_refusal("model.renderer", tokenizer))
+        self.tokenizer, self.tool_parser, self.renderer = tokenizer, settings.tool_parser, settings.renderer
+        self.collator = TraceCollator(tokenizer, tools=tools, template_kwargs=settings.template_kwargs,
+                                      chat_template=settings.chat_template)  # fmt: skip
         try:
             self.footer = self.collator.footer  # the end-of-turn marker the engine stops on
         except ValueError:
-            raise _refusal(tokenizer, "its generation prompt is not where its rendered replies start") from None
+            raise _refusal(tokenizer, "its generation prompt is not where its rendered replies start",
+                           settings.renderer) from None  # fmt: skip
         self.stop_ids = [tokenizer.convert_tokens_to_ids(self.footer)] if self.footer else []
 
     def _ids(self, text: str) -> list[int]:
@@ -196,10 +213,13 @@ class TemplateChat:
         empty think block to the last turn only): the first such turn of a run would fail."""
         opening = [{"role": "user", "content": "probe"}]
         if self.collator.tools and tool_name not in self.collator.render([*opening, _probe_turn(tool_name)]):
+            hint = "use a model whose template renders tools"
+            if is_chatml(self.tokenizer):  # meshrl's Hermes template writes its turns
+                hint = "set model.renderer = 'hermes' (meshrl's Hermes tool format over its ChatML tokens), or " + hint
             raise ValueError(
-                f"model.renderer 'template': the chat template of {self.tokenizer.name_or_path or 'the tokenizer'} "
+                f"model.renderer {self.renderer!r}: the chat template of {self.tokenizer.name_or_path or 'the tokenizer'} "
                 "renders no tool calls of assistant turns, so the task's tool calls would vanish from every "
-                "rendered turn (the teachers' chosen answers among them): use a model whose template renders tools"
+                f"rendered turn (the teachers' chosen answers among them): {hint}"
             )
         for reasoning in (None, "probe reasoning"):
             turn = "an assistant tool-call turn " + ("with" if reasoning else "without") + " reasoning"
@@ -210,12 +230,12 @@ class TemplateChat:
                 reason = f"it is not prefix-preserving: {turn} renders differently once its tool result follows"
             except TemplateError as error:
                 reason = f"it fails to render {turn} and its tool result ({error})"
-            raise _refusal(self.tokenizer, reason)
+            raise _refusal(self.tokenizer, reason, self.renderer)
 
 
-def _refusal(tokenizer: PreTrainedTokenizerBase, reason: str) -> ValueError:
+def _refusal(tokenizer: PreTrainedTokenizerBase, reason: str, renderer: str = TEMPLATE) -> ValueError:
     return ValueError(
-        f"model.renderer 'template': the chat template of {tokenizer.name_or_path or 'the tokenizer'} cannot "
+        f"model.renderer {renderer!r}: the chat template of {tokenizer.name_or_path or 'the tokenizer'} cannot "
         f"carry a multi-turn tool episode: {reason}. Set model.renderer to the `renderers` renderer of its "
         f"family ({', '.join(sorted(set(MODEL_RENDERER_MAP.values())))}), or use a template that renders "
         "conversations prefix by prefix"
@@ -227,7 +247,7 @@ def make_chat(tokenizer: PreTrainedTokenizerBase, settings: ChatSettings,
     """The run's chat format; a template that would fail mid-run is refused here."""
     chat = (
         TemplateChat(tokenizer, settings, tools)
-        if settings.renderer == TEMPLATE
+        if settings.renderer in (TEMPLATE, HERMES)
         else RendererChat(tokenizer, settings, tools)
     )
     chat.check(tools[0]["function"]["name"] if tools else _PROBE_TOOL)

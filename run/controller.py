@@ -83,7 +83,8 @@ class Controller:
         tools = task_tools(self.task)
         self.collator = TraceCollator(
             self.tokenizer, hint_generator=getattr(self.task, "hint", None) if config.loss.sdpo.weight > 0 else None,
-            tools=tools, template_kwargs=self.chat.template_kwargs, max_seq_len=config.trainer.micro_batch_tokens,
+            tools=tools, template_kwargs=self.chat.template_kwargs, chat_template=self.chat.chat_template,
+            max_seq_len=config.trainer.micro_batch_tokens,
             sampled_format=make_chat(self.tokenizer, self.chat, tools),  # one that would fail mid-run is refused here
         )  # fmt: skip
         if config.trainer.warm_start_steps or config.task.traces:

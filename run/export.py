@@ -3,6 +3,8 @@
 
 Checkpoints keep the trainer's float32 master weights (exact resume); an export casts them to
 the run's `model.dtype` and carries the tokenizer, its chat template and the generation config.
+The tokenizer is the checkpoint's, whose chat template is the one the run rendered with (meshrl's
+Hermes under `model.renderer = "hermes"`), so a server of the export speaks the trained format.
 Written into a temporary sibling, fsynced, then renamed over OUT.
 """
 

@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 from meshrl.configs.schema import HfTeacher as HfTeacherConfig
 from meshrl.inference.hf_engine import HFEngine
 from meshrl.inference.toolcalls import decode_turn
+from meshrl.models.chat_templates import HERMES, hermes_refusal, is_chatml, renderer_template
 from meshrl.teachers.base import Message, TeacherStats, chat_messages, parse_action
 
 log = logging.getLogger(__name__)
@@ -49,14 +50,21 @@ def hf_generate_fn(
     *,
     tools: list[dict[str, Any]] | None = None,
     tool_parser: str = "hermes",
+    renderer: str = "template",
 ) -> Callable[[list[Message]], Message | None]:
     """Greedy next assistant turn from a local HF model through its own chat template (with the
-    task's tool schemas) and tool-call form."""
-    engine = HFEngine.from_pretrained(path, device=device)
+    task's tool schemas) and tool-call form, or through meshrl's Hermes template (`renderer =
+    "hermes"`, as a policy of its family renders with `model.renderer = "hermes"`)."""
     tokenizer = AutoTokenizer.from_pretrained(path)
+    if renderer == HERMES and not is_chatml(tokenizer):
+        raise ValueError(hermes_refusal(f"teacher {path!r}: renderer", tokenizer))
+    template, tool_parser = renderer_template(renderer), "hermes" if renderer == HERMES else tool_parser
+    engine = HFEngine.from_pretrained(path, device=device)
 
     def generate(messages: list[Message]) -> Message | None:
-        ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, return_dict=False)
+        ids = tokenizer.apply_chat_template(
+            messages, tools=tools, chat_template=template, add_generation_prompt=True, return_dict=False
+        )
         (completion,) = engine.generate([list(ids)], temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens)
         content, calls = decode_turn(tokenizer, completion.completion_ids, tool_parser)
         return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}

@@ -1,10 +1,11 @@
 """TraceCollator: trace examples (and mined DPO pairs) → tensors for all three loss channels.
 
 Masks come from the chat-templated token stream itself: each conversation is rendered
-once with the tokenizer's own chat template, every assistant turn's character span is
-located in that text, and the text is tokenized once (batched) with offsets, so a token is
-in a span exactly when its characters are. Nothing is tokenized segment by segment (which
-misaligns with the template's role tokens).
+once with the tokenizer's own chat template (or the one the run renders with instead,
+`chat_template`), every assistant turn's character span is located in that text, and the
+text is tokenized once (batched) with offsets, so a token is in a span exactly when its
+characters are. Nothing is tokenized segment by segment (which misaligns with the template's
+role tokens).
 
 Span location is linear in the trace: the template's assistant header and end-of-turn
 footer are learned once per tokenizer from a probe conversation, then found by string
@@ -134,8 +135,9 @@ class TraceCollator:
     many tokens with per-sample position ids (else rows are right-padded with an attention
     mask); `max_seq_len` truncates (see the module docstring); `tools` (OpenAI function schemas,
     the task's) are rendered by the chat template as they were when the policy sampled.
-    `sampled_format` (the run's chat format) renders what goes beside sampled ids (the teachers'
-    chosen answers, SDPO's hinted prompt); without one the template does.
+    `chat_template` (a template's text) renders in place of the tokenizer's own (`model.renderer =
+    "hermes"`). `sampled_format` (the run's chat format) renders what goes beside sampled ids (the
+    teachers' chosen answers, SDPO's hinted prompt); without one the template does.
     """
 
     def __init__(
@@ -148,9 +150,10 @@ class TraceCollator:
         hint_role: str = "user",
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        chat_template: str | None = None,
         sampled_format: SampledFormat | None = None,
     ) -> None:
-        if tokenizer.chat_template is None:
+        if (chat_template or tokenizer.chat_template) is None:
             raise ValueError("the tokenizer has no chat template; TraceCollator needs one")
         if not getattr(tokenizer, "is_fast", False):
             raise ValueError("TraceCollator needs a fast (Rust-backed) tokenizer for character offsets")
@@ -166,13 +169,19 @@ class TraceCollator:
         self.hint_role = hint_role
         self.tools = tools
         self.template_kwargs = dict(template_kwargs or {})
+        self.chat_template = chat_template
         self.sampled_format = sampled_format
 
     # ------------------------------------------------------------------ rendering and spans
 
     def render(self, messages: list[dict[str, Any]], generation_prompt: bool = False) -> str:
         return self.tokenizer.apply_chat_template(
-            messages, tools=self.tools, tokenize=False, add_generation_prompt=generation_prompt, **self.template_kwargs
+            messages,
+            tools=self.tools,
+            chat_template=self.chat_template,
+            tokenize=False,
+            add_generation_prompt=generation_prompt,
+            **self.template_kwargs,
         )
 
     @cached_property

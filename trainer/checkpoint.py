@@ -54,12 +54,22 @@ def own_copy(state: Any, clone_tensors: bool) -> Any:
 
 
 def write_checkpoint(
-    state: TrainerState, directory: Path, model: nn.Module, reference: nn.Module | None, tokenizer_path: str
+    state: TrainerState,
+    directory: Path,
+    model: nn.Module,
+    reference: nn.Module | None,
+    tokenizer_path: str,
+    chat_template: str | None = None,
 ) -> None:
-    """Write a snapshot into `directory` (model/ loads as an HF model dir) and fsync it."""
+    """Write a snapshot into `directory` (model/ loads as an HF model dir) and fsync it. The tokenizer
+    goes along with `chat_template` as its template when the run rendered with one in place of its
+    own (`model.renderer = "hermes"`): exports copy it, so the trained model speaks its format."""
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory / "model", state_dict=state.weights)
-    AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(directory / "model")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(directory / "model")
     torch.save(
         {
             "optimizer": state.optimizer,

@@ -53,6 +53,7 @@ from meshrl.loss_adapters.compose import (
     sdpo_targets,
 )
 from meshrl.loss_adapters.logprobs import sequence_token_logprobs
+from meshrl.models.chat_templates import renderer_template
 from meshrl.trainer.activations import enable_checkpointing
 from meshrl.trainer.attention import use_document_attention
 from meshrl.trainer.checkpoint import CheckpointWriter, TrainerState, own_copy, write_checkpoint
@@ -233,6 +234,7 @@ class TrainerCore:
 
     def __init__(self, config: RunConfig, model_path: str, device: str = "cpu") -> None:
         self.config, self.model_path = config, model_path
+        self.chat_template = renderer_template(config.model.renderer)  # what checkpoints save with the tokenizer
         self.device = torch.device(device)
         torch.manual_seed(config.seed)
         self.compute_dtype = DTYPES[config.model.dtype]
@@ -584,7 +586,8 @@ class TrainerCore:
         )
         directory = Path(directory)
         self.writer.submit(
-            directory, lambda: write_checkpoint(state, directory, self.model, self.ref_model, self.model_path)
+            directory,
+            lambda: write_checkpoint(state, directory, self.model, self.ref_model, self.model_path, self.chat_template),
         )
         if wait:
             self.checkpoint_written(wait=True)
