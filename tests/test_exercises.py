@@ -1,0 +1,126 @@
+"""The generated code exercises: deterministic from their seed, split into training and held-out
+problems, and graded through the real sandbox like HumanEval. The red team: answers that ignore
+the problem (a constant, the docstring's example, the argument itself, an object equal to
+everything) score 0 on every family; on every generated exercise no constant or echo passes the
+hidden tests. The sandbox-level cheats (exits, forged results lines, patched builtins) go through
+the same scorer and are in tests/test_reward_redteam.py."""
+
+from __future__ import annotations
+
+import ast
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from meshrl.tasks.base import Ending
+from meshrl.tasks.exercises import FAMILIES, ExercisesTask, exercises
+from meshrl.tasks.humaneval import record, replay
+
+
+@pytest.fixture(scope="module")
+def task() -> ExercisesTask:
+    task = ExercisesTask(tiers=[1, 2, 3], count=300, split="all", sandbox={"pool_size": 4, "wall_time_s": 60})
+    yield task
+    task.sandbox.close()
+
+
+def answered(task: ExercisesTask, task_id: str, answer: str) -> float:
+    prompt = task.prompt(task_id)
+    messages = [*prompt.messages, {"role": "assistant", "content": answer}]
+    return task.score(prompt, messages, Ending("agent_completed", "stop")).reward
+
+
+def one_per_family(task: ExercisesTask) -> dict[str, str]:
+    """The first exercise of each family."""
+    found: dict[str, str] = {}
+    for task_id, problem in task.problems.items():
+        found.setdefault(problem["family"], task_id)
+    return found
+
+
+def example(problem: dict) -> tuple[str, str]:
+    """The docstring's worked example: the call's argument text and its result's."""
+    lines = problem["prompt"].split("\n")
+    call = next(line for line in lines if line.strip().startswith(">>>"))
+    result = lines[lines.index(call) + 1].strip()
+    return call.split("(", 1)[1].rsplit(")", 1)[0], result
+
+
+def test_the_same_seed_draws_the_same_exercises_and_the_split_holds_out_every_fifth():
+    assert exercises(3, 40, (1, 2)) == exercises(3, 40, (1, 2))
+    assert exercises(3, 40, (1, 2)) != exercises(4, 40, (1, 2))
+    train = ExercisesTask(count=50, sandbox={"pool_size": 1})
+    held_out = [prompt.prompt_id for prompt in train.eval_prompts(None, 100)]
+    assert len(held_out) == 10 and not set(held_out) & set(train.split_ids) and len(train.split_ids) == 40
+    assert {problem["family"] for problem in train.problems.values()} == {f.__name__ for f in FAMILIES[1] + FAMILIES[2]}
+    assert {problem["family"] for problem in exercises(0, 40, (3,))} == {f.__name__ for f in FAMILIES[3]}
+    with pytest.raises(ValueError, match="task.kwargs.tiers"):
+        ExercisesTask(tiers=[4])
+    train.sandbox.close()
+
+
+def test_a_prompt_shows_the_signature_and_one_example_and_never_the_hidden_tests(task):
+    for task_id in list(task.problems)[:30]:
+        problem, prompt = task.problems[task_id], task.prompt(task_id)
+        text = "\n".join(m["content"] for m in prompt.messages)
+        assert f"def {problem['entry_point']}(" in text and ">>>" in text
+        hidden = [ast.unparse(node) for node in ast.walk(ast.parse(problem["test"])) if isinstance(node, ast.Assert)]
+        assert len(hidden) == 6 and "assert" not in text and "check" not in text
+
+
+def test_on_every_exercise_no_constant_and_no_echo_passes_the_hidden_tests(task):
+    """On the host, through the trusted replay: every generated exercise of three seeds fails an
+    answer that returns any one of its own results, its example's result, or its argument."""
+    for seed in (0, 1, 2):
+        for problem in exercises(seed, 300, (1, 2, 3)):
+            recording = record(problem)
+            calls = len(recording.calls)
+            namespace: dict = {}
+            exec(problem["prompt"] + problem["canonical_solution"], namespace)
+            solve = namespace[problem["entry_point"]]
+            right = [("ok", solve(*args, **kwargs)) for args, kwargs in recording.calls]
+            assert replay(problem, recording, right), problem["task_id"]
+            constants = {repr(value): value for _, value in right} | {"example": ast.literal_eval(example(problem)[1])}
+            for value in constants.values():
+                assert not replay(problem, recording, [("ok", value)] * calls), (problem["prompt"], value)
+            echo = [("ok", args[0]) for args, _ in recording.calls]
+            assert not replay(problem, recording, echo), problem["prompt"]
+
+
+CHEATS = {
+    "the_example_s_result_for_every_call": "def {entry}(*args):\n    return {result}\n",
+    "the_example_s_result_for_its_call_and_the_argument_otherwise":
+        "def {entry}(*args):\n    if args == ({args},):\n        return {result}\n    return args[0]\n",
+    "the_argument_itself": "def {entry}(x):\n    return x\n",
+    "true": "def {entry}(*args):\n    return True\n",
+    "false": "def {entry}(*args):\n    return False\n",
+    "zero": "def {entry}(*args):\n    return 0\n",
+    "an_empty_list": "def {entry}(*args):\n    return []\n",
+    "an_object_equal_to_everything":
+        "class Equal:\n    __eq__ = lambda self, other: True\n    __hash__ = lambda self: 0\n"
+        "def {entry}(*args):\n    return Equal()\n",
+    "the_docstring_only": "def {entry}(*args):\n    '''{doc}'''\n",
+    "no_code_just_the_example": "{entry}({args}) returns {result}",
+}  # fmt: skip
+
+
+def test_every_family_s_reference_passes_and_every_cheat_scores_0(task):
+    families = one_per_family(task)
+    assert len(families) == sum(len(f) for f in FAMILIES.values())  # every family is among 300 exercises
+
+    def scores(task_id: str) -> tuple[float, dict[str, float]]:
+        problem = task.problems[task_id]
+        args, result = example(problem)
+        doc = problem["prompt"].split('"""')[1]
+        right = answered(task, task_id, f"Here:\n```python\n{problem['prompt']}{problem['canonical_solution']}```")
+        cheats = {name: answered(task, task_id, cheat.format(entry=problem["entry_point"], args=args, result=result,
+                                                             doc=doc.replace("'", "")))
+                  for name, cheat in CHEATS.items()}  # fmt: skip
+        return right, cheats
+
+    with ThreadPoolExecutor(4) as pool:
+        results = dict(zip(families.values(), pool.map(scores, families.values())))
+    assert {task_id: right for task_id, (right, _) in results.items() if right != 1.0} == {}
+    passed = {(task.problems[t]["entry_point"], name) for t, (_, cheats) in results.items()
+              for name, reward in cheats.items() if reward != 0.0}  # fmt: skip
+    assert passed == set()
