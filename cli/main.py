@@ -58,7 +58,8 @@ TRAIN_FLAGS = f"""flags:
 
 EVAL_FLAGS = """flags:
   --checkpoint PATH     a run directory (its newest checkpoint), one of its checkpoints, its final/, or
-                        an HF model directory; a run's own config.toml is the base config
+                        an HF model directory; a run's own config.toml is the base config. Without it:
+                        the config's model.path before any training
   --n N                 eval prompts (eval.n)
   --k K                 samples per prompt (eval.k)
   --out FILE.json       also write the metrics there"""
@@ -154,16 +155,18 @@ def _eval_options(sources: list[str]) -> tuple[str | None, str | None, list[str]
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     checkpoint, out, sources = _eval_options(args.sources)
-    if checkpoint is None:
-        raise ConfigError("meshrl eval needs --checkpoint DIR (a run, one of its checkpoints, or a model directory)")
-    record = run_record_of(checkpoint)
+    record = run_record_of(checkpoint) if checkpoint is not None else None
     if record is not None:  # a run's checkpoint is scored on the run's own task and settings
         print(f"config: {record}" + (" with the given sources on top" if sources else ""), flush=True)
     config = load_config(sources, before=run_sources(record.parent) if record is not None else [])
-    from meshrl.run.evaluate import evaluate_checkpoint
+    from meshrl.run.evaluate import evaluate_base, evaluate_checkpoint
 
     try:
-        result = evaluate_checkpoint(config, checkpoint, Path(out) if out else None)
+        if checkpoint is None:
+            print(f"model: {config.model.path} as a run starts from it (no --checkpoint)", flush=True)
+            result = evaluate_base(config, Path(out) if out else None)
+        else:
+            result = evaluate_checkpoint(config, checkpoint, Path(out) if out else None)
     except ValueError as exc:
         print(f"meshrl eval: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

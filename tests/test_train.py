@@ -115,6 +115,12 @@ def test_run_killed_after_a_checkpoint_resumes_evaluates_and_refuses_a_rerun(tmp
     assert saved["checkpoint"] == str(out / "checkpoints" / f"step_{STEPS}" / "model")
     assert saved["eval/reward_greedy"] == pytest.approx(metrics[-1]["eval/reward_greedy"])
     assert "eval/pass@2" in capsys.readouterr().out
+    # Without --checkpoint: the config's own model as a run starts from it (the tiny model built
+    # from the seed in a temporary directory; no output_dir is made).
+    base = main(["eval", "@", str(out / "config.toml"), "--output-dir", str(tmp_path / "unused"), "--n", "2",
+                 "--k", "2", "--out", str(out / "base.json")])  # fmt: skip
+    assert base == 0, capsys.readouterr().err[-3000:]
+    assert json.loads((out / "base.json").read_text())["checkpoint"] == "tiny" and not (tmp_path / "unused").exists()
 
     # The metric sinks continue the same run after the resume.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
