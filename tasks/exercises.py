@@ -204,20 +204,18 @@ def reference(exercise: Exercise) -> Callable[..., Any]:
     return namespace[exercise.name]
 
 
-def informative(exercise: Exercise) -> bool:
+def informative(exercise: Exercise, solve: Callable[..., Any]) -> bool:
     """Whether the hidden tests fail every answer that ignores the problem: a constant (their
     results differ) and the argument itself (some result is not it). Without this a draw can be
     passed by `return False` (six numbers none of which is a multiple of 9: 49% of draws)."""
-    solve = reference(exercise)
     hidden = exercise.inputs[1:]
     results = [solve(*args) for args in hidden]
     return len({repr(r) for r in results}) > 1 and any(r != args[0] for r, args in zip(results, hidden))
 
 
-def problem(task_id: str, family: str, exercise: Exercise) -> dict[str, Any]:
+def problem(task_id: str, family: str, exercise: Exercise, solve: Callable[..., Any]) -> dict[str, Any]:
     """The exercise in HumanEval's form (and its family's name): the docstring shows the first
-    input's result, `check` asserts the others' (the hidden tests)."""
-    solve = reference(exercise)
+    input's result, `check` asserts the others' (the hidden tests), with `solve` the reference."""
     example, hidden = exercise.inputs[0], exercise.inputs[1:]
     call = f"{exercise.name}({', '.join(map(repr, example))})"
     prompt = (f'def {exercise.name}{exercise.signature}:\n    """{exercise.doc}\n    >>> {call}\n'
@@ -240,9 +238,10 @@ def exercises(seed: int, count: int, tiers: tuple[int, ...]) -> list[dict[str, A
             if len(out) == count:
                 break
             exercise = family(rng)
-            if not informative(exercise):
+            solve = reference(exercise)
+            if not informative(exercise, solve):
                 continue
-            made = problem(f"exercises/{seed}/{len(out)}", family.__name__, exercise)
+            made = problem(f"exercises/{seed}/{len(out)}", family.__name__, exercise, solve)
             if made["prompt"] + made["test"] not in prompts:
                 prompts.add(made["prompt"] + made["test"])
                 out.append(made)
