@@ -17,10 +17,10 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from meshrl.configs.schema import RunConfig
-from meshrl.inference.backends import EngineLimits, make_engine
+from meshrl.inference.backends import make_engine
 from meshrl.inference.weights import WeightLayout, unflatten_weights
 from meshrl.rollouts.chat import ChatSettings
-from meshrl.rollouts.episodes import EpisodeFormat, EpisodeLimits
+from meshrl.rollouts.episodes import EpisodeFormat, EpisodeLimits, engine_limits
 from meshrl.rollouts.scheduler import EpisodeScheduler, FinishedGroup, GroupRequest, Sampling
 from meshrl.tasks.base import make_task
 from meshrl.topology.devices import cpu_threads, proc_device, role_gpus
@@ -36,8 +36,7 @@ class GeneratorActor(Actor):
         if proc_device(config.topology, "generator", self.rank).type == "cpu":  # also refuses GPUs the host lacks
             torch.set_num_threads(cpu_threads())
         limits = EpisodeLimits.of(config)
-        sizes = EngineLimits(limits.max_tokens, g.max_concurrent_tokens, g.max_concurrent_episodes)
-        engine = make_engine(g.backend, model_path, config.model.dtype, gpus, sizes, g.vllm_log_level)
+        engine = make_engine(g.backend, model_path, config.model.dtype, gpus, engine_limits(config), g.vllm_log_level)
         if lora_generators(config):  # the trainer's adapters injected alike: a weight sync sends them alone
             add_lora(engine.model, config.model.lora).eval()
         tokenizer = AutoTokenizer.from_pretrained(model_path)

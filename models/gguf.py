@@ -50,8 +50,7 @@ def ensure_gguf(path: str, directory: str | Path) -> Path:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         file = gguf_file(path)
-        print(f"meshrl: converting {file.name} to an HF model directory in {directory} (once per run directory)",
-              flush=True)  # fmt: skip
+        print(f"meshrl: converting {file.name} to an HF model directory in {directory}", flush=True)
         AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name).save_pretrained(tmp)
         loaded = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
         # transformers dequantizes every GGUF tensor to float32 but marks the model quantized and

@@ -17,6 +17,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from meshrl.configs.schema import RunConfig
+from meshrl.inference.backends import EngineLimits
 from meshrl.inference.completion import Completion
 from meshrl.rollouts.chat import ChatSettings, make_chat
 from meshrl.tasks.base import Ending, Episodic, Prompt, Score, Scoring, Stopping, Task, ToolResult, task_tools
@@ -162,6 +163,12 @@ class EpisodeLimits:
     def room_for_a_turn(self, context: int) -> bool:
         """Whether a turn of `max_new_tokens` still fits after `context` tokens."""
         return context + self.max_new_tokens <= self.max_tokens
+
+
+def engine_limits(config: RunConfig) -> EngineLimits:
+    """What a run's engines are sized for: its longest episode and the generator's concurrency caps."""
+    g = config.generator
+    return EngineLimits(EpisodeLimits.of(config).max_tokens, g.max_concurrent_tokens, g.max_concurrent_episodes)
 
 
 def cap_tokens(tokenizer: PreTrainedTokenizerBase, text: str, cap: int) -> str:

@@ -27,8 +27,7 @@ from meshrl.configs.loader import ConfigError, to_toml
 from meshrl.configs.run_record import record_changes
 from meshrl.configs.schema import RefKlLoss, RunConfig
 from meshrl.ingress.server import IngressServer
-from meshrl.models.gguf import ensure_gguf, is_gguf
-from meshrl.models.tiny import ensure_tiny
+from meshrl.models.resolve import resolve_model
 from meshrl.rollouts.advantages import group_advantages
 from meshrl.rollouts.batches import aux_shards, rl_shards
 from meshrl.rollouts.chat import ChatSettings, make_chat
@@ -55,16 +54,6 @@ from meshrl.topology.faults import HostLost, RunStopped, SupervisionError
 from meshrl.traces.collator import TraceCollator
 
 
-def resolve_model(config: RunConfig, run: RunDir) -> str:
-    """`tiny` is built and a GGUF file converted, under the run directory on first use; anything
-    else is a path or hub id."""
-    if config.model.path == "tiny":
-        return str(ensure_tiny(run.root / "tiny_model", config.model.tiny, seed=config.seed))
-    if is_gguf(config.model.path):
-        return str(ensure_gguf(config.model.path, run.root / "gguf_model"))
-    return config.model.path
-
-
 class Controller:
     """Builds what needs no mesh at once (model files, tokenizer, task, collator, streams): a bad
     config or trace file is refused before any process starts; `spawn` adds the rest."""
@@ -72,7 +61,7 @@ class Controller:
     def __init__(self, config: RunConfig) -> None:
         self.config = config
         self.run = RunDir(config.output_dir)
-        self.model_path = resolve_model(config, self.run)
+        self.model_path = resolve_model(config, self.run.root)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.task = make_task(config.task)
         if config.model.lora is not None:  # adapters whose merged weights cannot be built are refused here

@@ -15,9 +15,10 @@ import torch
 from transformers import AutoTokenizer
 
 from meshrl.configs.schema import RunConfig
-from meshrl.inference.backends import EngineLimits, make_engine
+from meshrl.inference.backends import make_engine
+from meshrl.models.resolve import resolve_model
 from meshrl.rollouts.chat import ChatSettings
-from meshrl.rollouts.episodes import EpisodeFormat, EpisodeLimits
+from meshrl.rollouts.episodes import EpisodeFormat, EpisodeLimits, engine_limits
 from meshrl.rollouts.evaluation import EvalPlan, EvalResult, eval_prompts, evaluate
 from meshrl.rollouts.scheduler import Sampling
 from meshrl.run.run_dir import RunDir, write_atomic
@@ -65,8 +66,7 @@ def evaluate_checkpoint(config: RunConfig, checkpoint: str | Path, out: Path | N
     path = model_dir(checkpoint)
     gpus = [0] if torch.cuda.is_available() else []
     g = config.generator
-    limits = EngineLimits(EpisodeLimits.of(config).max_tokens, g.max_concurrent_tokens, g.max_concurrent_episodes)
-    engine = make_engine(g.backend, str(path), config.model.dtype, gpus, limits, g.vllm_log_level)
+    engine = make_engine(g.backend, str(path), config.model.dtype, gpus, engine_limits(config), g.vllm_log_level)
     result = evaluate(engine, _episodes(config, path), plan_for(config))
     if out is not None:
         _write(out, str(path), result)
@@ -81,10 +81,8 @@ def evaluate_base(config: RunConfig, out: Path | None = None) -> EvalResult:
     """Evaluate the config's own model before any training (`meshrl eval` without --checkpoint):
     `model.path` as a run starts from it, the tiny model built or a GGUF converted in a temporary
     directory, so the run's output_dir stays free for `meshrl train`."""
-    from meshrl.run.controller import resolve_model
-
     with tempfile.TemporaryDirectory(prefix="meshrl-eval-") as tmp:
-        result = evaluate_checkpoint(config, resolve_model(config, RunDir(tmp)))
+        result = evaluate_checkpoint(config, resolve_model(config, tmp))
     if out is not None:
         _write(out, config.model.path, result)
     return result
