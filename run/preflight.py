@@ -10,13 +10,14 @@ from __future__ import annotations
 import errno
 import os
 import re
-import shutil
 import socket
 from pathlib import Path
 
 from meshrl.configs.loader import ConfigError
 from meshrl.configs.schema import HfTeacher, OpenAITeacher, RunConfig
 from meshrl.models.gguf import gguf_file, is_gguf
+from meshrl.sandbox.bwrap import bwrap_program
+from meshrl.sandbox.core import SandboxUnavailable
 
 # A hub id as huggingface_hub accepts it: `name` or `org/name`.
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -37,10 +38,11 @@ def preflight(config: RunConfig) -> None:
     if config.ingress.bind is not None:
         check_port_free("ingress.bind", config.ingress.bind)
     sandbox = config.task.kwargs.get("sandbox")
-    if isinstance(sandbox, dict) and sandbox.get("backend", "bwrap") == "bwrap" and shutil.which("bwrap") is None:
-        raise ConfigError(
-            "task.kwargs.sandbox.backend 'bwrap': bubblewrap is not installed (Debian/Ubuntu: apt-get install bubblewrap)"
-        )
+    if isinstance(sandbox, dict) and sandbox.get("backend", "bwrap") == "bwrap":
+        try:
+            bwrap_program()
+        except SandboxUnavailable as exc:
+            raise ConfigError(f"task.kwargs.{exc}") from None
 
 
 def check_model_path(key: str, path: str, special: tuple[str, ...] = ()) -> None:

@@ -145,13 +145,19 @@ def _unmount(path: Path) -> None:
     _LIBC.umount2(bytes(path), _MNT_DETACH)
 
 
+def bwrap_program() -> str:
+    """bubblewrap's path; refused, with how to install it, where it is missing (also at start-up)."""
+    found = shutil.which("bwrap")
+    if found is None:
+        raise SandboxUnavailable(
+            "sandbox.backend 'bwrap': bubblewrap is not installed (Debian/Ubuntu: apt-get install bubblewrap)"
+        )
+    return found
+
+
 class BwrapSandbox(ProcessSandbox):
     def __init__(self, config: SandboxConfig) -> None:
-        self.bwrap = shutil.which("bwrap")
-        if self.bwrap is None:
-            raise SandboxUnavailable(
-                "sandbox.backend 'bwrap': bubblewrap is not installed (Debian/Ubuntu: apt-get install bubblewrap)"
-            )
+        self.bwrap = bwrap_program()
         if shutil.which("prlimit") is None:
             raise SandboxUnavailable("the sandbox needs prlimit (util-linux) to set its limits")
         self.filter = seccomp_filter()

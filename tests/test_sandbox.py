@@ -15,7 +15,9 @@ from pathlib import Path
 import pyseccomp
 import pytest
 
+from meshrl.configs.loader import ConfigError, load_config
 from meshrl.configs.schema import SandboxConfig
+from meshrl.run.preflight import preflight
 from meshrl.sandbox import Run, Sandbox, SandboxUnavailable, bwrap, make_sandbox
 from meshrl.sandbox import core as sandbox_core
 from meshrl.sandbox.core import processes_of
@@ -404,6 +406,15 @@ def test_a_missing_sandbox_is_refused_naming_what_to_install(monkeypatch):
         monkeypatch.setattr(sandbox_core, "LEASES", Path("/proc/meshrl-sandbox-uids"))
         with pytest.raises(SandboxUnavailable, match="/proc/meshrl-sandbox-uids"):
             make_sandbox(SandboxConfig())
+
+
+def test_start_up_refuses_a_sandboxed_task_without_bubblewrap_naming_the_key(monkeypatch, tmp_path):
+    config = load_config(["--output-dir", str(tmp_path / "run"), "--task.import-path",
+                          "meshrl.tasks.exercises:ExercisesTask", "--task.kwargs", '{"sandbox": {"pool_size": 1}}'])  # fmt: skip
+    preflight(config)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(ConfigError, match=r"^task\.kwargs\.sandbox\.backend 'bwrap'.*apt-get install bubblewrap"):
+        preflight(config)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="only root mounts the calls' tmpfs")
