@@ -18,7 +18,8 @@ is. For each of `--seeds` (the runs' seed: prompts, sampling, and TRL's): reward
 median time per step and its ratio, and the completions sampled until the reward (3-step mean)
 first reaches the threshold; then, per trainer, in how many seeds it got there and the median
 samples to it. At large learning rates the first noisy steps decide a run, so one seed per
-trainer is no comparison. The curves go to docs/peer_trl.png.
+trainer is no comparison. The curves go to docs/peer_trl.png. The table and the plot are made
+again after each seed, so a run stopped part way keeps the seeds it finished.
 
 `--task code` runs the same comparison on meshrl's function-writing exercises
 (`meshrl.tasks.exercises`: small Python functions generated from a seed, each answer run in the
@@ -388,7 +389,20 @@ def main() -> None:
         for c in runs[seed]:  # after both trainers: no evaluation runs beside a timed step
             if config is not None and c.model is not None:
                 c.pass_at_1 = held_out(config, c.model).pass_at_1
+        # after each seed, so a long run's finished seeds are on record
+        summarize(args, runs, before, config, model_name, plot)
 
+
+def summarize(
+    args: argparse.Namespace,
+    runs: dict[int, list[Curve]],
+    before: float | None,
+    config: RunConfig | None,
+    model_name: str,
+    plot: str,
+) -> None:
+    """Print the seeds run so far (per trainer: reward per step, step time, samples to the threshold,
+    held-out pass@1; time-per-step ratios; the totals over seeds) and draw their curves to `plot`."""
     if args.task == "letters":
         system = f', system prompt "{args.system_prompt}"' if args.system_prompt else ""
         task = f"vf_letters{system}"
@@ -443,11 +457,12 @@ def main() -> None:
         ax.axhline(args.threshold, color="grey", lw=0.5)
     ax.set_xlabel("completions sampled")
     ax.set_ylabel("reward/mean")
-    ax.set_title(f"seeds {' '.join(map(str, args.seeds))}", fontsize=8)
+    ax.set_title(f"seeds {' '.join(map(str, runs))}", fontsize=8)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(plot, dpi=100)
-    print(f"plot: {plot}")
+    plt.close(fig)
+    print(f"plot: {plot}", flush=True)
 
 
 if __name__ == "__main__":
