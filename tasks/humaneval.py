@@ -42,7 +42,9 @@ from meshrl.configs.schema import SandboxConfig
 from meshrl.sandbox import Run, make_sandbox
 from meshrl.tasks.base import Ending, Prompt, Score, ToolResult
 from meshrl.tasks.parsing import literal
+from meshrl.traces.schema import TraceExample, Turn
 
+SOURCE = "meshrl.tasks.humaneval"  # the demonstrations' trace source
 RUN_PYTHON = "run_python"
 SYSTEM = (
     "You write Python. You can run code with the run_python tool (it returns the exit status, stdout "
@@ -342,6 +344,24 @@ class FunctionTask:
 
     def reward(self, prompt: Prompt, messages: list[dict[str, Any]]) -> float:
         return self.score(prompt, messages, Ending("agent_completed", "stop")).reward
+
+    def oracle_action(self, prompt: Prompt, messages: list[dict[str, Any]]) -> dict[str, Any]:
+        """The canonical solution as the final answer, at any state: what an oracle teacher says
+        (the replay channel's chosen action against a failed answer)."""
+        problem = self.problems[prompt.answer]
+        return {"role": "assistant", "content": f"```python\n{problem['prompt']}{problem['canonical_solution']}```"}
+
+    def demonstrations(self, rng: random.Random, n: int) -> list[TraceExample]:
+        """The prompts `sample_prompts` draws from the same rng state, each answered at once with
+        its canonical solution (for `trainer.warm_start_steps`)."""
+        demos = []
+        for prompt in self.sample_prompts(rng, n):
+            turns = [Turn(role=m["role"], content=m["content"]) for m in prompt.messages]
+            answer = Turn(role="assistant", content=self.oracle_action(prompt, prompt.messages)["content"])
+            demos.append(
+                TraceExample(trace_id=prompt.prompt_id, source=SOURCE, turns=[*turns, answer], final_reward=1.0)
+            )
+        return demos
 
 
 class HumanEvalTask(FunctionTask):

@@ -8,6 +8,7 @@ the same scorer and are in tests/test_reward_redteam.py."""
 from __future__ import annotations
 
 import ast
+import random
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -15,6 +16,7 @@ import pytest
 from meshrl.tasks.base import Ending
 from meshrl.tasks.exercises import FAMILIES, ExercisesTask, exercises
 from meshrl.tasks.humaneval import record, replay
+from meshrl.teachers.oracle import OracleTeacher
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +106,7 @@ CHEATS = {
 }  # fmt: skip
 
 
-def test_every_family_s_reference_passes_and_every_cheat_scores_0(task):
+def test_every_family_s_oracle_answer_passes_and_every_cheat_scores_0(task):
     families = one_per_family(task)
     assert len(families) == sum(len(f) for f in FAMILIES.values())  # every family is among 300 exercises
 
@@ -112,7 +114,8 @@ def test_every_family_s_reference_passes_and_every_cheat_scores_0(task):
         problem = task.problems[task_id]
         args, result = example(problem)
         doc = problem["prompt"].split('"""')[1]
-        right = answered(task, task_id, f"Here:\n```python\n{problem['prompt']}{problem['canonical_solution']}```")
+        prompt = task.prompt(task_id)
+        right = task.reward(prompt, [*prompt.messages, task.oracle_action(prompt, prompt.messages)])
         cheats = {name: answered(task, task_id, cheat.format(entry=problem["entry_point"], args=args, result=result,
                                                              doc=doc.replace("'", "")))
                   for name, cheat in CHEATS.items()}  # fmt: skip
@@ -124,3 +127,19 @@ def test_every_family_s_reference_passes_and_every_cheat_scores_0(task):
     passed = {(task.problems[t]["entry_point"], name) for t, (_, cheats) in results.items()
               for name, reward in cheats.items() if reward != 0.0}  # fmt: skip
     assert passed == set()
+
+
+def test_the_oracle_teacher_answers_the_reference_and_the_demonstrations_are_the_sampled_prompts_solved(task):
+    """The replay channel's oracle teachers and the warm start read the task's reference solutions:
+    the oracle's answer scores 1, and each demonstration is the prompt the same
+    rng draws, answered with a passing function."""
+    prompt = task.sample_prompts(random.Random(0), 1)[0]
+    action = OracleTeacher(task).act(prompt.messages, {"prompt": prompt})
+    assert action["role"] == "assistant" and task.reward(prompt, [*prompt.messages, action]) == 1.0
+    demos = task.demonstrations(random.Random(1), 3)
+    drawn = task.sample_prompts(random.Random(1), 3)
+    assert [d.trace_id for d in demos] == [p.prompt_id for p in drawn]
+    for demo, prompt in zip(demos, drawn):
+        assert [t.content for t in demo.turns[:-1]] == [m["content"] for m in prompt.messages]
+        answer = {"role": "assistant", "content": demo.turns[-1].content}
+        assert demo.final_reward == 1.0 and task.reward(prompt, [*prompt.messages, answer]) == 1.0

@@ -60,6 +60,8 @@ def test_every_canonical_solution_passes_and_a_wrong_answer_fails(task):
     assert [k for k, (_, wrong) in results.items() if wrong != 0.0] == []
     whole = task.problems[FIRST]
     assert answered(task, FIRST, whole["prompt"] + whole["canonical_solution"]) == 1.0  # a complete function too
+    prompt = task.prompt(FIRST)
+    assert task.reward(prompt, [*prompt.messages, task.oracle_action(prompt, prompt.messages)]) == 1.0
 
 
 def test_compiles_is_measured_in_the_sandbox_before_the_answer_runs(task):
