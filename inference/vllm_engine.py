@@ -258,6 +258,7 @@ class VLLMEngine:
         log_level = set_vllm_log_level(log_level)  # before vLLM's import: older versions configure it there
         from vllm import LLM
         from vllm.engine.arg_utils import EngineArgs
+        from vllm.platforms import current_platform
 
         accepted = {field.name for field in dataclasses.fields(EngineArgs)}  # log_level: where it has it (0.32 does)
         quiet = {"log_level": log_level, "use_tqdm_on_load": log_level in ("DEBUG", "INFO")}
@@ -268,6 +269,12 @@ class VLLMEngine:
             llm_kwargs["kv_cache_memory_bytes"] = kv_tokens * kv_bytes_per_token(config, dtype)
         if max_model_len is not None:  # no request outgrows the model's positions (vLLM refuses a longer cap)
             max_model_len = min(max_model_len, config.get("max_position_embeddings") or max_model_len)
+        if current_platform.is_cpu():
+            # The CPU build cannot rewind a seeded request's generator after a partial prefill
+            # ("CPU Generator does not use offset"): every prompt is prefilled in one step.
+            whole = max_model_len or config.get("max_position_embeddings")
+            if whole:
+                llm_kwargs = {"enable_chunked_prefill": False, "max_num_batched_tokens": whole, **llm_kwargs}
         self._shapes = checkpoint_shapes(path)
         self._layout = checkpoint_layout(path)
         # Every call into vLLM runs on this one thread, the one that built the engine: the CPU

@@ -256,6 +256,15 @@ def test_sampled_and_greedy_tokens_carry_the_trainers_logprobs(engine, trainer_m
         assert logits[len(turn.prompt_ids) - 1 : -1].argmax(-1).tolist() == turn.completion_ids
 
 
+def test_a_seeded_prompt_longer_than_a_steps_token_budget_samples_on_the_cpu_build(smollm2):
+    """A 5,000-token prompt outgrows the CPU build's default step budget (4,096 tokens): chunked, the
+    seeded request's partial prefill failed ("CPU Generator does not use offset"); it is prefilled whole."""
+    long_engine = VLLMEngine(str(smollm2), dtype="float32", enforce_eager=True, max_model_len=6144, kv_tokens=8192)
+    prompt = [3 + j % 400 for j in range(5000)]
+    turns = long_engine.generate([prompt], temperature=1.0, top_p=1.0, max_new_tokens=4, seed=3)
+    assert [len(turn.completion_ids) for turn in turns] == [4]
+
+
 def test_an_update_is_refused_whole_when_a_weight_is_missing_or_misshapen(engine, trainer_model):
     weights = {k: v.clone() for k, v in trainer_model.state_dict().items()}
     missing = {k: v for k, v in weights.items() if k != "model.layers.3.mlp.up_proj.weight"}
