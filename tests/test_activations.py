@@ -117,5 +117,7 @@ def test_a_sample_packed_among_others_scores_as_alone(paths, shape):
         start = 0
         for n in lengths:
             alone = sequence_token_logprobs(core.model, ids[:, start : start + n], 64)[0]
-            torch.testing.assert_close(packed[start + 1 : start + n], alone[1:], rtol=0, atol=2e-6)
+            # float32 rounding of other matmul shapes only (SmolLM2's logprobs near -11: 1.5e-6 relative);
+            # attention across a document would move them by orders of magnitude more
+            torch.testing.assert_close(packed[start + 1 : start + n], alone[1:], rtol=1e-5, atol=2e-6)
             start += n
