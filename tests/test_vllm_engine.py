@@ -215,7 +215,8 @@ def smollm2(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(smollm2) -> VLLMEngine:
-    return cpu_engine(smollm2)
+    """A window past the CPU build's default step budget (4,096 tokens), for the long-prompt test."""
+    return VLLMEngine(str(smollm2), dtype="float32", enforce_eager=True, max_model_len=6144, kv_tokens=8192)
 
 
 @pytest.fixture(scope="module")
@@ -256,12 +257,11 @@ def test_sampled_and_greedy_tokens_carry_the_trainers_logprobs(engine, trainer_m
         assert logits[len(turn.prompt_ids) - 1 : -1].argmax(-1).tolist() == turn.completion_ids
 
 
-def test_a_seeded_prompt_longer_than_a_steps_token_budget_samples_on_the_cpu_build(smollm2):
+def test_a_seeded_prompt_longer_than_a_steps_token_budget_samples_on_the_cpu_build(engine):
     """A 5,000-token prompt outgrows the CPU build's default step budget (4,096 tokens): chunked, the
     seeded request's partial prefill failed ("CPU Generator does not use offset"); it is prefilled whole."""
-    long_engine = VLLMEngine(str(smollm2), dtype="float32", enforce_eager=True, max_model_len=6144, kv_tokens=8192)
     prompt = [3 + j % 400 for j in range(5000)]
-    turns = long_engine.generate([prompt], temperature=1.0, top_p=1.0, max_new_tokens=4, seed=3)
+    turns = engine.generate([prompt], temperature=1.0, top_p=1.0, max_new_tokens=4, seed=3)
     assert [len(turn.completion_ids) for turn in turns] == [4]
 
 
