@@ -20,7 +20,7 @@ pytestmark = pytest.mark.mesh
 QWEN = [
     "--model.tiny.family", "qwen3", "--model.tiny.tie_embeddings", "true", "--model.tiny.num_heads", "4",
     "--model.tiny.num_kv_heads", "2", "--model.tiny.chat_template", "qwen3", "--model.renderer", "qwen3", "--model.dtype", "bfloat16",
-    "--generator.max_new_tokens", "32", "--generator.temperature", "0.8",
+    "--generator.max_new_tokens", "32", "--generator.temperature", "0.8", "--generator.samples_per_prompt", "4",
     "--trainer.warm_start_steps", "120", "--trainer.warm_start_batch_size", "8", "--trainer.warm_start_lr", "1e-2",
     "--topology.trainer.procs", "2", "--trainer.parallelism", "fsdp2", "--ckpt.interval", "2",
     "--trainer.mask_truncated_completions", "true",
