@@ -391,7 +391,12 @@ class TrainerConfig(Section):
         description="Across trainer procs: 'ddp' replicates the model and all-reduces gradients; "
         "'fsdp2' shards parameters, gradients and optimizer state (fully_shard per decoder layer).",
     )
-    micro_batch_tokens: int = Field(4096, ge=16, description="Token budget of one packed micro-batch per rank.")
+    micro_batch_tokens: int = Field(
+        4096,
+        ge=16,
+        description="Token budget of one packed micro-batch per rank; replay "
+        "pairs and SDPO sites run in micro-batches of whole pairs or sites within it too (one wider alone).",
+    )
     mask_truncated_completions: bool = Field(
         False,
         description="Leave rollouts whose last turn hit generator.max_new_tokens out of the RL loss (TRL's "

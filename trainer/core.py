@@ -50,12 +50,12 @@ from meshrl.loss_adapters.compose import (
     reference_logprobs,
     reference_sums,
     rl_loss_fn,
-    sdpo_targets,
 )
 from meshrl.loss_adapters.logprobs import sequence_token_logprobs
 from meshrl.models.chat_templates import renderer_template
 from meshrl.trainer.activations import enable_checkpointing
 from meshrl.trainer.attention import use_document_attention
+from meshrl.trainer.aux_batches import aux_micro_batches
 from meshrl.trainer.checkpoint import CheckpointWriter, TrainerState, own_copy, write_checkpoint
 from meshrl.trainer.router import RouterStats, real_tokens
 
@@ -220,13 +220,6 @@ class Weighted:
             name: value if name.endswith(PEAK) else value / weight if weight else math.nan
             for name, (value, weight) in total.parts.items()
         }
-
-
-def _aux_count(channel: str, batch: dict[str, Any]) -> int:
-    """What a channel's loss is a mean over: pairs (`dpo_`) or recovery tokens (`sdpo_`)."""
-    if channel == "dpo_":
-        return len(batch["dpo_chosen_input_ids"])
-    return int(sdpo_targets(batch).sum())
 
 
 class TrainerCore:
@@ -412,7 +405,8 @@ class TrainerCore:
         """One optimizer step over rank `rank`'s RL micro-batches and its replay/SDPO batch.
 
         Every rank gets the whole step's shards (one list of micro-batches, one auxiliary
-        batch or None per rank). `rl_tokens` is the step's loss normaliser over all ranks (its
+        batch or None per rank); each channel of an auxiliary batch runs in micro-batches of
+        whole pairs or sites within `trainer.micro_batch_tokens` (`aux_micro_batches`). `rl_tokens` is the step's loss normaliser over all ranks (its
         loss-mask token count; `trainer.zero_advantage_tokens = "count"` adds the tied rollouts'):
         each RL micro-batch is normalised by rl_tokens / world so the cross-rank mean of gradients
         is Σ sample losses / rl_tokens, PRIME-RL's normalisation.
@@ -431,22 +425,25 @@ class TrainerCore:
                         weighted.add(name, float(value), float(counts.get(name, tokens)))
         if any(rl_shards):
             weighted.add("loss/rl", rank_loss, 1.0)  # the step's loss: the ranks' mean (DDP averages their gradients)
+        budget = self.config.trainer.micro_batch_tokens
         for channel in self._aux_channels():
             parts = [{k: v for k, v in (a or {}).items() if k.startswith(channel)} for a in aux_shards]
-            shards = [[part] if part else [] for part in parts]
-            # A rank's loss is the mean over its own pairs (DPO) or recovery tokens (SDPO); weighted by
-            # its share of the step's count, the ranks' averaged gradients are the mean over all of them,
-            # as one rank holding every batch would compute (the RL channel's global token count, too).
-            counts_by_rank = [_aux_count(channel, part) if part else 0 for part in parts]
-            share = self.world * counts_by_rank[rank] / max(1, sum(counts_by_rank))
-            for batch, weight in self._passes(shards, rank):
+            chunks = [aux_micro_batches(channel, part, budget) if part else [] for part in parts]
+            # A micro-batch's loss is the mean over its own pairs (DPO) or recovery tokens (SDPO); weighted
+            # by its share of the step's count, the ranks' averaged gradients are the mean over all of them,
+            # as one rank holding every unit in one batch would compute (the RL channel's global token count, too).
+            total = sum(chunk.count for rank_chunks in chunks for chunk in rank_chunks)
+            counts = [chunk.count for chunk in chunks[rank]]
+            shards = [[chunk.batch for chunk in rank_chunks] for rank_chunks in chunks]
+            for i, (batch, weight) in enumerate(self._passes(shards, rank)):
+                count = counts[i] if weight else 0  # FSDP2's spare passes run at weight 0
                 loss, out, _ = self._loss(batch)
-                (loss * weight * share).backward()
-                for name, value in out.items() if weight else ():  # means over pairs or recovery tokens
+                (loss * (self.world * count / max(1, total))).backward()
+                for name, value in out.items() if count else ():
                     if name not in ("loss/total", "sdpo/tokens"):
-                        weighted.add(name, float(value), counts_by_rank[rank])
-            if channel == "sdpo_" and sum(counts_by_rank):
-                sdpo_tokens = float(sum(counts_by_rank))  # every rank knows every rank's count
+                        weighted.add(name, float(value), count)
+            if channel == "sdpo_" and total:
+                sdpo_tokens = float(total)  # every rank knows every rank's count
         metrics = weighted.reduced(self.world)
         if self.router is not None:
             metrics.update(self.router.take(self.device))  # from the counts of every rank
