@@ -69,7 +69,7 @@ def test_each_unit_once_within_the_budget_and_no_padding_edge(batch, channel):
             assert sorted(r for c in chunks for r in _real(c.batch[ids_key], c.batch[mask_key])) == expected
     for chunk in chunks:
         tokens = sum(chunk.batch[m].numel() for columns in COLUMNS[channel] for m in columns.masks)
-        assert tokens <= budget or len(chunk.batch[columns.masks[0]]) == 1
+        assert tokens <= budget or len(chunk.batch[COLUMNS[channel][0].masks[0]]) == 1  # one unit wider alone
         for columns in COLUMNS[channel]:
             occupied = torch.stack([chunk.batch[m] != 0 for m in columns.masks]).any(0)
             assert occupied[:, 0 if columns.left else -1].any()  # the padded side's edge column has a token

@@ -87,9 +87,9 @@ def _take(
     batch: dict[str, Tensor], rows: list[int], widths: Tensor, groups: tuple[Columns, ...], count: int
 ) -> AuxMicroBatch:
     """Rows `rows` of `batch`, each side's columns cut to its width from its padded side."""
-    out = {}
+    out, index = {}, torch.tensor(rows)
     for key, value in batch.items():
-        value = value[torch.tensor(rows, device=value.device)]
+        value = value[index.to(value.device)]
         side = next((j for j, g in enumerate(groups) if key.startswith(g.prefix)), None)
         if side is not None and value.dim() >= 2:
             width = int(widths[side])

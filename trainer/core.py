@@ -406,10 +406,11 @@ class TrainerCore:
 
         Every rank gets the whole step's shards (one list of micro-batches, one auxiliary
         batch or None per rank); each channel of an auxiliary batch runs in micro-batches of
-        whole pairs or sites within `trainer.micro_batch_tokens` (`aux_micro_batches`). `rl_tokens` is the step's loss normaliser over all ranks (its
-        loss-mask token count; `trainer.zero_advantage_tokens = "count"` adds the tied rollouts'):
-        each RL micro-batch is normalised by rl_tokens / world so the cross-rank mean of gradients
-        is Σ sample losses / rl_tokens, PRIME-RL's normalisation.
+        whole pairs or sites within `trainer.micro_batch_tokens` (`aux_micro_batches`).
+        `rl_tokens` is the step's loss normaliser over all ranks (its loss-mask token count;
+        `trainer.zero_advantage_tokens = "count"` adds the tied rollouts'): each RL micro-batch
+        is normalised by rl_tokens / world so the cross-rank mean of gradients is
+        Σ sample losses / rl_tokens, PRIME-RL's normalisation.
         """
         if self.config.trainer.diloco.replica_id is not None and self.islands is None:
             self._join_islands()
