@@ -1,6 +1,7 @@
 """Bubblewrap: each call in new user, PID, network, IPC, UTS and mount namespaces, under a seccomp filter.
 
-What the program sees: a read-only root holding `/usr` (and the interpreter's prefix) read-only, a
+What the program sees: a read-only root holding the interpreter, its standard library, the programs
+and the shared objects they load (`view`: not the rest of `/usr`), a
 fresh `/proc` of its own PID namespace, a read-only minimal `/dev`, and two writable directories:
 `/work` (its working directory, empty; the program is read-only at `/run/meshrl/main.py`) and
 `/dev/shm`, which `/tmp` links to. Files of the root a call is made to hide (`hidden`: a
@@ -36,6 +37,7 @@ from pathlib import Path
 
 from meshrl.configs.schema import SandboxConfig
 from meshrl.sandbox.core import ENV, ProcessSandbox, SandboxUnavailable, Workspace, limit_of
+from meshrl.sandbox.view import interpreter_view
 
 log = logging.getLogger(__name__)
 _MERGED = ("bin", "lib", "lib64", "sbin")  # symlinks into /usr on merged-/usr systems
@@ -162,8 +164,7 @@ class BwrapSandbox(ProcessSandbox):
             raise SandboxUnavailable("the sandbox needs prlimit (util-linux) to set its limits")
         self.filter = seccomp_filter()
         self.python = Path(config.python)
-        prefix = self.python.resolve().parent.parent
-        self.binds = ["/usr"] + ([str(prefix)] if not prefix.is_relative_to("/usr") else [])
+        self.view = interpreter_view(config.python)
         self.host_tmpfs = os.geteuid() == 0 and _can_mount()
         super().__init__(config)
 
@@ -218,8 +219,10 @@ class BwrapSandbox(ProcessSandbox):
                 "--new-session", "--cap-drop", "ALL", "--hostname", "sandbox", "--clearenv"]  # fmt: skip
         for key, value in ENV.items():
             argv += ["--setenv", key, value]
-        for path in self.binds:
-            argv += ["--ro-bind", path, path]
+        for path in self.view.binds:
+            argv += ["--ro-bind", str(path), str(path)]
+        for path in self.view.empty:
+            argv += ["--tmpfs", str(path), "--remount-ro", str(path)]
         for path in hidden:  # an answer key the call must not read (a task's original module)
             argv += ["--ro-bind", "/dev/null", str(path)]
         for name in _MERGED:

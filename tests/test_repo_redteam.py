@@ -14,15 +14,18 @@ from __future__ import annotations
 import json
 import random
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from meshrl.rollouts.episodes import EpisodeFormat, Rollout
+from meshrl.sandbox import make_sandbox
+from meshrl.sandbox.copies import readable_copies
 from meshrl.tasks.base import Ending, Score
 from meshrl.tasks.repo import scoring
 from meshrl.tasks.repo.build import source_tests
-from meshrl.tasks.repo.task import RepoFixTask
+from meshrl.tasks.repo.task import WALK_LIMITS, RepoFixTask
 from tests.e2e import REPO
 from tests.test_repo_fix import answered, assistant, fix, score
 
@@ -201,23 +204,108 @@ for path in PATHS:
     except OSError as error:
         print(type(error).__name__)
 """
+# What a policy runs to find the closest readable copy of its module (every file and wheel or zip
+# member the sandbox shows it) and use it: the copy itself, and the copy's one-line differences moved
+# into the buggy module one hunk at a time.
+CLOSEST_COPY = r"""
+import difflib, os, sys, zipfile
+module = sys.argv[1]
+mine = open(module).read().splitlines(keepends=True)
+wanted = {line.strip() for line in mine if len(line.strip()) >= 4}
+best, where = None, None
+def consider(text, name):
+    global best, where
+    shared = len(wanted & {line.strip() for line in text.splitlines()}) / len(wanted)
+    if shared > 0.5 and (best is None or shared > best[0]) and name != os.path.abspath(module):
+        best, where = (shared, text), name
+for folder, dirs, names in os.walk("/"):
+    dirs[:] = [d for d in dirs if os.path.join(folder, d) not in ("/proc", "/sys", "/dev", "/work")]
+    for name in names:
+        path = os.path.join(folder, name)
+        try:
+            if name.endswith(".py"):
+                consider(open(path, encoding="utf-8", errors="replace").read(), path)
+            elif name.endswith((".whl", ".zip", ".egg")):
+                with zipfile.ZipFile(path) as z:
+                    for member in z.namelist():
+                        if member.endswith(".py"):
+                            consider(z.read(member).decode("utf-8", "replace"), path + "!" + member)
+        except (OSError, ValueError, zipfile.BadZipFile):
+            pass
+if best is None:
+    print("no copy")
+    raise SystemExit(0)
+print("closest", where, round(best[0], 3))
+theirs = best[1].splitlines(keepends=True)
+if sys.argv[2] == "copy":
+    out = theirs
+else:
+    out = list(mine)
+    hunks = difflib.SequenceMatcher(None, mine, theirs).get_opcodes()
+    for tag, i1, i2, j1, j2 in reversed(hunks):
+        if tag == "replace" and i2 - i1 == 1 and j2 - j1 == 1:
+            out[i1:i2] = theirs[j1:j2]
+open(module, "w").write("".join(out))
+"""
 
 
-def test_the_answer_key_is_not_in_the_sandbox(task):
-    """The library's copies of the module and its tests (and bytecode) cannot be read in the task's
-    calls; copied back by the policy they leave no module, which scores 0."""
-    for task_id in (first(task, "colorsys"), task.eval_ids[0], first(task, RECIPES)):
-        module = task.tasks[task_id].module
+def walker(task: RepoFixTask):
+    return make_sandbox(task.sandbox.config.model_copy(update=WALK_LIMITS))
+
+
+def test_nothing_the_sandbox_can_read_shares_most_lines_with_a_tasks_module(task):
+    """A walk from inside a call, through every file and archive member it can read: the only copies
+    of each task's module are its answer key (the interpreter's own library copy, hidden from the task's
+    calls), and a call of the task finds none. This machine's /usr holds an SDK's CPython and
+    setuptools' vendored more-itertools, which the old view (all of /usr) showed."""
+    box = walker(task)
+    try:
+        texts = {module: source.code for module, source in task.sources.items()}
+        walk = readable_copies(box, texts)
+        assert walk.files > 1000  # the interpreter's library, its programs and shared objects were walked
+        assert {c.name for c in walk.copies} == {m for m in task.sources if m != RECIPES}
+        assert all(Path(c.path) in task.answer_keys[c.name] for c in walk.copies), walk.copies
+        assert task.answer_keys[RECIPES] == []  # none of more-itertools in the interpreter's library
+        for module in ("colorsys", "netrc", "fractions"):
+            assert readable_copies(box, {module: texts[module]}, task.answer_keys[module]).copies == []
+    finally:
+        box.close()
+
+
+def test_the_answer_key_is_hidden_and_copying_the_closest_readable_copy_scores_0(task):
+    """The library's copies of the module (and bytecode) cannot be read in the task's calls; a policy
+    that looks for the closest copy of its module finds none, and copying or transplanting from it
+    leaves the bug: 0."""
+    for module in ("colorsys", "netrc"):
         copies = [str(p) for p in task.answer_keys[module]]
-        # the module (and its tests, where the library ships them); more-itertools: pip's vendored copies
         assert any(p.endswith("/" + task.sources[module].path) for p in copies), copies
         program = f"PATHS = {copies!r}\n" + READ_EACH
         seen = task.sandbox.run_python(program, hidden=task.answer_keys[module]).stdout.split()
         assert seen == ["PermissionError"] * len(copies)
         assert all(line.isdigit() and int(line) > 0 for line in task.sandbox.run_python(program).stdout.split())
-        cheat = [assistant("Bash", command=f"cp {p} /work/{task.sources[module].path}") for p in copies
-                 if p.endswith(".py")]  # fmt: skip
-        assert score(task, task_id, *cheat).reward == 0.0
+    for task_id in (first(task, "colorsys"), task.eval_ids[0], first(task, "fractions"), first(task, RECIPES)):
+        path = task.sources[task.tasks[task_id].module].path
+        for how in ("copy", "transplant"):
+            turns = [assistant("Write", file_path="/work/closest.py", content=CLOSEST_COPY),
+                     assistant("Bash", command=f"python3 /work/closest.py {path} {how}")]  # fmt: skip
+            episode = f"closest-{task_id}-{how}"
+            for turn in turns:
+                call_ = turn["tool_calls"][0]["function"]
+                said = task.episode_call(episode, task.prompt(task_id), call_["name"], call_["arguments"])
+            task.end_episode(episode)
+            assert said.content == "no copy", said.content
+            assert score(task, task_id, *turns).reward == 0.0
+
+
+def test_a_module_whose_copy_the_sandbox_can_read_is_refused_at_build(tmp_path):
+    """A repository vendoring a module the interpreter's library ships under another name: its answer
+    is readable in every call, so the task is refused before anything is built, naming the copy."""
+    (tmp_path / "repo" / "tests").mkdir(parents=True)
+    (tmp_path / "repo" / "wrapping.py").write_text(Path("/usr/lib/python3.11/textwrap.py").read_text())
+    (tmp_path / "repo" / "tests" / "test_wrapping.py").write_text("import unittest\n")
+    spec = {"repo": str(tmp_path / "repo"), "module": "wrapping.py", "tests": "tests/test_wrapping.py"}
+    with pytest.raises(ValueError, match=r"readable in the sandbox, .*wrapping: /usr/lib/python3.11/textwrap.py"):
+        RepoFixTask(modules=[], eval_modules=[], repos=[spec], cache_dir=str(tmp_path / "cache"), sandbox=SANDBOX)
 
 
 def test_scores_of_one_fix_on_four_threads_agree(task):

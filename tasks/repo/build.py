@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from meshrl.sandbox import Sandbox
+from meshrl.sandbox.copies import readable_copies
+from meshrl.sandbox.view import standard_library
 from meshrl.tasks.repo.mutations import Mutation, apply, sites
 from meshrl.tasks.repo.runner import TestRun, run_tests
 
@@ -146,23 +148,34 @@ def repository_source(repo: str, module: str, tests: str) -> Source:
 
 
 def answer_key(source: Source, python: str) -> list[Path]:
-    """Every copy of the source's module and of its tests (sources and bytecode) in the Python
-    libraries a sandbox running `python` sees (its prefix's and /usr's, site- and dist-packages and
-    vendored copies included): 7 of the 11 default modules were byte-identical in /usr/lib/python3.11,
-    so copying one back was a fix."""
-    roots = {Path("/usr"), Path(python).resolve().parent.parent}
-    libraries = sorted({lib for root in roots for pattern in ("lib/python3*", "local/lib/python3*")
-                        for lib in root.glob(pattern) if lib.is_dir()})  # fmt: skip
+    """Every copy of the source's module and of its tests (sources and bytecode) in the standard
+    library of `python`, the one library a sandbox call reads: the calls of the source's tasks hide
+    them (7 of the 11 default modules were byte-identical there, so copying one back was a fix)."""
     found = set()
     for wanted in (source.path, source.test_path):
         stem, name = Path(wanted).stem, Path(wanted).name
         module_dir = str(Path(wanted).parent) if "/" in wanted and wanted != source.test_path else ""
-        for lib in libraries:
+        for lib in standard_library(python):
             for path in lib.rglob(name):
                 if path.is_file() and not path.is_symlink() and str(path.parent).endswith(module_dir):
                     found.add(path)
                     found.update(p for p in (path.parent / "__pycache__").glob(f"{stem}.*.pyc") if p.is_file())
     return sorted(found)
+
+
+def refuse_readable_copies(sandbox: Sandbox, sources: Sequence[Source], answer_keys: dict[str, list[Path]]) -> int:
+    """Walk what a call of `sandbox` can read (`copies`) and refuse, naming each, any file or archive
+    member sharing most of a source module's lines (or its bytecode) that its answer key does not
+    hide: a task whose answer is readable is no task. Returns the files walked."""
+    walk = readable_copies(sandbox, {source.module: source.code for source in sources})
+    found = [c for c in walk.copies if Path(c.path) not in answer_keys.get(c.name, ())]
+    if found:
+        listed = "; ".join(f"{c.name}: {c.path} ({c.shared:.0%} shared)" for c in found[:20])
+        raise ValueError(
+            f"task.kwargs: a copy of a task's module is readable in the sandbox, so its answer is too ({listed}). "
+            "Point sandbox.python at an interpreter whose standard library holds no copy of it, or drop the module"
+        )
+    return walk.files
 
 
 @dataclass

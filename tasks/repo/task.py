@@ -31,6 +31,7 @@ from meshrl.tasks.repo.build import (
     answer_key,
     build_tasks,
     load_source,
+    refuse_readable_copies,
     repo_specs,
     repository_source,
     source_tests,
@@ -45,6 +46,8 @@ EVAL_MODULES = ["graphlib", "netrc"]
 # A module's whole test suite takes a tenth of a CPU second to a few: a mutation that loops is stopped
 # by CPU time, which a busy host does not change (a wall-time limit would drop other mutations there).
 BUILD_LIMITS = {"cpu_time_s": 2}
+# The walk of all a call can read (`refuse_readable_copies`): a second or two here, at every start.
+WALK_LIMITS = {"cpu_time_s": 120, "wall_time_s": 300.0, "memory_mb": 2048}
 SYSTEM = (
     "You are a coding agent in a Python repository checked out at /work. Use the tools to explore it, "
     "run commands and edit files. Fix the bug in the source so that the failing tests pass, without "
@@ -99,6 +102,12 @@ class RepoFixTask:
         # tests (and their bytecode) that the interpreter ships cannot be read: no answer key in reach.
         # Per module: another task's module may be one this one's tests import.
         self.answer_keys = {source.module: answer_key(source, config.python) for source in sources}
+        if config.backend != "none":  # no isolation, nothing to check: the host's every copy is readable
+            walker = make_sandbox(config.model_copy(update=WALK_LIMITS))
+            try:
+                refuse_readable_copies(walker, sources, self.answer_keys)
+            finally:
+                walker.close()
         # Building runs each module's tests once per mutation: a mutation that loops stops at BUILD_LIMITS.
         builder = make_sandbox(
             config.model_copy(update={k: min(getattr(config, k), v) for k, v in BUILD_LIMITS.items()})
