@@ -11,9 +11,15 @@ Which parser a run uses is `model.tool_parser` (the family of the policy's chat 
   (v3 tokenizers) or `name[ARGS]{...}` per call (v11+ tokenizers).
 
 A call the model botched (bad JSON, no string name, arguments that are not an object or nest
-deeper than `MAX_NESTING`, a block never closed) still counts as a call, named `<malformed>` with no arguments: the task answers it
+deeper than `MAX_NESTING`, a name, key or string value that is not valid text, a block never
+closed) still counts as a call, named `<malformed>` with no arguments: the task answers it
 with an error result the model can learn from, where an exception would end the episode. Text
 after the calls is not part of any template's form and is dropped.
+
+Not valid text: JSON's escapes let a policy write a lone surrogate (`"\\ud800"`) in plain ASCII,
+a str that UTF-8 cannot encode. Echoed in a tool result it made the tokenizer raise `TypeError`;
+as run_python's code, the sandbox's program-file write `UnicodeEncodeError`. Completions decoded
+from token ids are valid text: these JSON-decoded strings are the only route.
 """
 
 from __future__ import annotations
@@ -41,7 +47,8 @@ def tool_call(index: int, parsed: Any, arguments_key: str = "arguments") -> dict
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         arguments = _loads(arguments)
     well_formed = (isinstance(parsed, dict) and isinstance(parsed.get("name"), str) and isinstance(arguments, dict)
-                   and nesting(arguments) <= MAX_NESTING)  # fmt: skip
+                   and nesting(arguments) <= MAX_NESTING
+                   and is_text(parsed["name"]) and is_text(arguments))  # fmt: skip
     name, arguments = (parsed["name"], arguments) if well_formed else (MALFORMED, {})
     return {"id": f"call_{index}", "type": "function", "function": {"name": name, "arguments": arguments}}
 
@@ -56,6 +63,26 @@ def nesting(value: Any) -> int:
             deepest = max(deepest, depth)
             stack.extend((child, depth + 1) for child in children)
     return deepest
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")  # the only code points UTF-8 cannot encode
+
+
+def is_text(value: Any) -> bool:
+    """Whether every string in a JSON value, object keys included, encodes as UTF-8: holds no lone
+    surrogate (the decoder joins a valid escaped pair into one code point). Iterative, as `nesting`."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                return False
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return True
 
 
 def _loads(text: str) -> Any:

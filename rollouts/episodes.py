@@ -46,6 +46,7 @@ class Rollout:
     versions: list[int]  # policy version that sampled each masked token, in order
     finish_reason: str = "stop"
     stop_condition: str = ""  # why the episode ended (`Ending.stop_condition`), set by `EpisodeFormat.goes_on`
+    # (or `TOOL_FAILED`, by the scheduler)
     reward: float | None = None
     score: Score | None = None  # the rubric's parts, for tasks that score by rubric (`Scoring`)
     turns: int = 0
@@ -134,6 +135,8 @@ def reasoning_stats(rollouts: list[Rollout], think_end: int) -> dict[str, float]
 
 # What ends an episode whose next turn would not fit its token budget (verifiers' name for it).
 PROMPT_TOO_LONG = "prompt_too_long"
+# What ends an episode whose tool call, or the tool turn answering it, raised (`EpisodeFormat.score`).
+TOOL_FAILED = "tool_failed"
 MIN_TOOL_SHARE = 64  # tokens a result keeps however many calls share a turn's tool budget
 TRUNCATION = "\n[... {cut} characters of tool output cut: this result is capped at {cap} tokens ...]\n"
 ELIDED = "[an older tool result ({tokens} tokens) was elided to fit the context]"
@@ -343,7 +346,6 @@ class EpisodeFormat:
         tool_messages = []
         share = tool_share(self.limits.max_tool_tokens, len(calls)) if self.limits is not None else None
         for call, result in zip(calls, results, strict=True):
-            rollout.tool_errors += result.is_error
             content = result.content if share is None else cap_tokens(self.tokenizer, result.content, share)
             tool_messages.append({"role": "tool", "content": content, "tool_call_id": call["id"],
                                   "is_error": result.is_error})  # fmt: skip
@@ -351,16 +353,22 @@ class EpisodeFormat:
         ids = self.chat.tool_turn_ids(
             rollout.token_ids[:split], rollout.token_ids[split:], rollout.messages, tool_messages
         )
-        rollout.token_ids += ids
+        rollout.token_ids += ids  # the rollout changes only once the turn is built: a raise leaves it whole
         rollout.loss_mask += [False] * len(ids)
         rollout.logprobs += [0.0] * len(ids)
         rollout.messages += tool_messages
+        rollout.tool_errors += sum(result.is_error for result in results)
         return ids
 
     def score(self, rollout: Rollout) -> None:
         """The task's verdict on the episode. A task whose scoring raises gives this episode reward 0
         and the metric `score_errors` (logged with its traceback), never a failed generator: what
-        it scored was the policy's, which the policy can shape to break a scorer."""
+        it scored was the policy's, which the policy can shape to break a scorer. An episode ended
+        by a failed tool (`TOOL_FAILED`) is not scored: its last calls have no results, and a task
+        replaying them would fail again; it gets reward 0 and the metric `tool_failures`."""
+        if rollout.stop_condition == TOOL_FAILED:
+            rollout.score, rollout.reward = Score(0.0, {}, {"tool_failures": 1.0}), 0.0
+            return
         try:
             if isinstance(self.task, Scoring):
                 ending = Ending(rollout.stop_condition, rollout.finish_reason)

@@ -9,6 +9,10 @@ turn's tool calls in a thread pool (concurrently with other episodes' calls and 
 decoding), and asks for the next turn. A finished episode frees its slot at once for the
 next queued one. Finished groups (all samples of a prompt) wait in an outbox for `take`.
 
+A tool call, or the tool turn answering it, that raises ends its own episode (`TOOL_FAILED`,
+reward 0, logged with its traceback): the policy writes the calls, and no call may stop the
+run. Any other error (the engine's, a prompt too long for an episode) still fails the scheduler.
+
 Caps: `max_episodes` episodes run at once; `max_tokens` bounds the KV tokens held (running
 turns count their prompt plus `max_new_tokens`, idle episodes between turns their cache).
 A turn that does not fit first evicts idle caches (those episodes prefill again later),
@@ -18,6 +22,7 @@ then waits for running turns to end; one that cannot fit alone is an error.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -29,8 +34,10 @@ from typing import Any
 import torch
 
 from meshrl.inference.completion import Completion, request_seeds
-from meshrl.rollouts.episodes import EpisodeFormat, Rollout
+from meshrl.rollouts.episodes import TOOL_FAILED, EpisodeFormat, Rollout
 from meshrl.tasks.base import Episodic, Prompt
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -200,12 +207,11 @@ class EpisodeScheduler:
                 while True:
                     completion = await self._turn(seq)
                     calls = self.format.add_turn(rollout, completion)
-                    if calls and isinstance(self.format.task, Episodic):  # one workspace: in message order
-                        results = [await self._tool(rollout, call) for call in calls]
-                        seq.extend(self.format.add_tool_results(rollout, calls, results))
-                    elif calls:
-                        results = await asyncio.gather(*(self._tool(rollout, call) for call in calls))
-                        seq.extend(self.format.add_tool_results(rollout, calls, list(results)))
+                    if calls:
+                        tool_ids = await self._tool_turn(rollout, calls)
+                        if tool_ids is None:
+                            break
+                        seq.extend(tool_ids)
                     # off the loop: a task's stop check may block (verifiers' run on their own loop)
                     contexts = len(rollout.earlier)
                     if not await self.loop.run_in_executor(self._tools, self.format.goes_on, rollout, calls):
@@ -226,6 +232,21 @@ class EpisodeScheduler:
         """The episode is over: its task state goes (`EpisodeFormat.end`)."""
         self._open.pop(rollout.episode_id, None)
         self.format.end(rollout)
+
+    async def _tool_turn(self, rollout: Rollout, calls: list[dict[str, Any]]) -> list[int] | None:
+        """The ids of the tool turn answering `calls`, added to the rollout; None when a call or the
+        turn raised, which ends this episode alone (`TOOL_FAILED`): the policy shapes its calls."""
+        try:
+            if isinstance(self.format.task, Episodic):  # one workspace: in message order
+                results = [await self._tool(rollout, call) for call in calls]
+            else:
+                results = list(await asyncio.gather(*(self._tool(rollout, call) for call in calls)))
+            return self.format.add_tool_results(rollout, calls, results)
+        except Exception:
+            log.exception("a tool call of episode %s of prompt %s raised: the episode ends, reward 0",
+                          rollout.episode_id, rollout.prompt.prompt_id)  # fmt: skip
+            rollout.stop_condition = TOOL_FAILED
+            return None
 
     async def _tool(self, rollout: Rollout, call: dict[str, Any]) -> Any:
         self._running_tools += 1

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from meshrl.inference.completion import Completion
+from meshrl.inference.toolcalls import MALFORMED
 from meshrl.models.tiny import build_tokenizer
 from meshrl.rollouts.episodes import EpisodeFormat
 from meshrl.sandbox import SandboxUnavailable
@@ -152,6 +153,36 @@ def test_a_coding_episode_runs_its_code_in_the_sandbox_and_is_scored_on_hidden_t
     hidden = problem["test"].strip().splitlines()[-1].strip()  # a line of the hidden tests
     assert not any(hidden in (m.get("content") or "") for m in rollout.messages)
     assert prompt.info == {"problem": FIRST}  # a lease carries messages and info: the id, never the tests
+
+
+@pytest.mark.parametrize(
+    "call",
+    [{"name": "run_python\ud800", "arguments": {"code": "print(1)"}},
+     {"name": "run_python", "arguments": {"code\udc00": "print(1)"}},
+     {"name": "run_python", "arguments": {"code": "print('\ud800')"}}],
+    ids=["name", "key", "code"],
+)  # fmt: skip
+def test_a_run_python_call_holding_a_lone_surrogate_is_a_tool_error_and_the_episode_goes_on(task, call):
+    """JSON lets the policy write `"\\ud800"` in plain ASCII: echoed as an unknown tool's name it made
+    the tokenizer raise TypeError, and as code the sandbox's program-file write UnicodeEncodeError."""
+    tokenizer = build_tokenizer(512, "hermes")
+    episodes = EpisodeFormat(tokenizer, task)
+    prompt = task.prompt(FIRST)
+    problem = task.problems[FIRST]
+    rollout = episodes.start(prompt)
+    turns = [
+        f"<tool_call>\n{json.dumps(call)}\n</tool_call>",
+        f"```python\n{problem['prompt']}{problem['canonical_solution']}```",
+    ]
+    for text in turns:
+        ids = [*tokenizer(text, add_special_tokens=False)["input_ids"], *episodes.stop_ids]
+        calls = episodes.add_turn(rollout, Completion(rollout.token_ids, ids, [0.0] * len(ids), "stop"))
+        if episodes.goes_on(rollout, calls):
+            episodes.add_tool_results(rollout, calls, [episodes.call_tool(rollout, c) for c in calls])
+    episodes.score(rollout)
+    assert rollout.messages[2]["tool_calls"][0]["function"] == {"name": MALFORMED, "arguments": {}}
+    assert rollout.messages[3]["is_error"] and MALFORMED in rollout.messages[3]["content"]
+    assert rollout.reward == 1.0 and rollout.stop_condition == "agent_completed"
 
 
 def test_without_a_sandbox_the_task_refuses_to_start():

@@ -7,6 +7,8 @@ tool turn after turn), built once per session; nothing here is timed.
 
 from __future__ import annotations
 
+import logging
+import os
 import random
 import threading
 import time
@@ -16,26 +18,32 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from meshrl.configs import load_config
+from meshrl.inference.completion import Completion
 from meshrl.inference.hf_engine import HFEngine
-from meshrl.models.tiny import build_model, ensure_tiny
+from meshrl.inference.toolcalls import MALFORMED
+from meshrl.models.tiny import build_model, build_tokenizer, ensure_tiny
 from meshrl.rollouts.advantages import group_advantages
 from meshrl.rollouts.batches import rl_shards
 from meshrl.rollouts.episodes import (
     ELIDED,
     PROMPT_TOO_LONG,
+    TOOL_FAILED,
     EpisodeFormat,
     EpisodeLimits,
     Rollout,
     cap_tokens,
     cap_trace,
     fresh_rollouts,
+    rubric_means,
 )
 from meshrl.rollouts.scheduler import EpisodeScheduler, FinishedGroup, GroupRequest, Sampling
 from meshrl.tasks.base import Ending, Prompt, Score, ToolResult
 from meshrl.tasks.poll import PollTask
+from meshrl.tasks.toy import ToolTask
 from meshrl.traces.collator import TraceCollator
 from meshrl.traces.schema import ToolCall, TraceExample, Turn
 from meshrl.trainer.core import TrainerCore
+from tests.test_chat_families import memorised
 
 
 @pytest.fixture(scope="session")
@@ -348,6 +356,79 @@ def test_a_scorer_that_raises_is_a_0_for_its_episodes_and_the_generator_goes_on(
     assert len(broken) == 2 and all(r.reward == 0.0 and r.score.metrics == {"score_errors": 1.0} for r in broken)
     assert all(r.score.metrics == {} for g in first + later for r in g.rollouts if r not in broken)
     assert len(later) == 1 and len(later[0].rollouts) == 2
+
+
+def test_a_policys_call_holding_a_lone_surrogate_is_answered_with_a_tool_error(tmp_path):
+    """A policy that memorised a call named `lookup\\ud800` (JSON's escape of a lone surrogate,
+    plain ASCII to sample): the toy task echoes an unknown tool's name, and building that tool turn
+    made the tokenizer raise TypeError, which failed the scheduler. Now the call is malformed."""
+    tok, task = build_tokenizer(512, "hermes"), ToolTask(max_turns=2, recovery_rate=0.0)
+    episodes = EpisodeFormat(tok, task)
+    (prompt,) = task.sample_prompts(random.Random(0), 1)
+    script = episodes.start(prompt)
+    sampled = '<tool_call>\n{"name": "lookup\\ud800", "arguments": {"key": "a"}}\n</tool_call>'
+    ids = tok(sampled, add_special_tokens=False)["input_ids"] + episodes.stop_ids[:1]
+    episodes.add_turn(script, Completion(script.token_ids, ids, [0.0] * len(ids), "stop", [0] * len(ids)))
+    path = memorised(tok, script, tmp_path / "policy")
+    sched = EpisodeScheduler(HFEngine.from_pretrained(str(path)), episodes, Sampling(1.0, 1.0, 64), max_episodes=4,
+                             max_tokens=100_000)  # fmt: skip
+    try:
+        (group,) = run_groups(sched, [GroupRequest("g", prompt, 2, seed=0)])
+    finally:
+        sched.close()
+    for rollout in group.rollouts:
+        call, result = rollout.messages[len(prompt.messages) :][:2]
+        assert rollout.turn_ids[0] == ids  # the policy sampled the memorised call
+        assert [c["function"] for c in call["tool_calls"]] == [{"name": MALFORMED, "arguments": {}}]
+        assert result["role"] == "tool" and result["is_error"] and MALFORMED in result["content"]
+        assert rollout.stop_condition != TOOL_FAILED and rollout.reward is not None
+
+
+class BreakingToolPollTask(PollTask):
+    """PollTask whose tool, on prompts it was told to break, raises, or answers with a lone surrogate
+    (a file name `os.fsdecode` read from bytes that are not UTF-8), which the tokenizer refuses."""
+
+    broken: dict[str, str] = {}  # prompt id -> "raises" | "unencodable"
+
+    def call_tool(self, prompt: Prompt, name: str, arguments: dict) -> ToolResult:
+        how = self.broken.get(prompt.prompt_id)
+        if how == "raises":
+            raise OSError("the tool's own bug")
+        result = super().call_tool(prompt, name, arguments)
+        if how == "unencodable":
+            return ToolResult(result.content + "\n" + os.fsdecode(b"\xff.py"), result.is_error)
+        return result
+
+
+def test_a_tool_that_raises_ends_its_episode_alone_and_the_scheduler_goes_on(poll_model, caplog):
+    """Defence in depth behind the parsers: a tool call or tool turn that raises ends that episode
+    (`tool_failed`, reward 0, `task_metric/tool_failures`), logged once with its traceback; the
+    other episodes and later groups run as ever."""
+    task = BreakingToolPollTask(1, 4)
+    prompts = task.sample_prompts(random.Random(7), 3)
+    task.broken = {prompts[0].prompt_id: "raises", prompts[1].prompt_id: "unencodable"}
+    sched = scheduler(poll_model, task)
+    try:
+        with caplog.at_level(logging.ERROR, logger="meshrl.rollouts.scheduler"):
+            first = run_groups(sched, [GroupRequest(f"g{i}", p, 2, seed=i) for i, p in enumerate(prompts)])
+        later = run_groups(sched, [GroupRequest("after", prompts[2], 2, seed=9)])  # the scheduler still runs
+    finally:
+        sched.close()
+    rollouts = [r for g in first for r in g.rollouts]
+    failed = [r for r in rollouts if r.prompt.prompt_id in task.broken]
+    assert len(failed) == 4 and all(r.stop_condition == TOOL_FAILED for r in failed)
+    for r in failed:
+        assert r.reward == 0.0 and r.score.metrics == {"tool_failures": 1.0}
+        assert r.messages[-1]["role"] == "assistant" and r.messages[-1]["tool_calls"]  # its calls have no results
+        assert len(r.token_ids) == len(r.loss_mask) == len(r.logprobs) and r.loss_mask[-1]  # ends on its sampled turn
+    assert all(r.stop_condition != TOOL_FAILED and r.score is None for r in rollouts + later[0].rollouts
+               if r not in failed)  # fmt: skip
+    errors = [(rec.exc_info[0], rec.getMessage()) for rec in caplog.records if rec.exc_info]
+    assert sorted(kind.__name__ for kind, _ in errors) == ["OSError", "OSError", "TypeError", "TypeError"]
+    assert all(any(r.episode_id in message for _, message in errors) for r in failed)
+    assert rubric_means(rollouts)["task_metric/tool_failures"] == 1.0
+    advantages = group_advantages(rollouts)  # a group all of whose tools failed is tied: advantage 0
+    assert [a for a, r in zip(advantages, rollouts) if r in failed] == [0.0] * 4
 
 
 def test_an_episode_past_its_budget_elides_old_tool_results_and_trains_as_the_contexts_it_saw(poll_model):

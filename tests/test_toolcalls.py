@@ -14,6 +14,7 @@ from meshrl.inference.completion import Completion
 from meshrl.inference.toolcalls import MALFORMED, PARSERS, decode_turn, parse_tool_calls
 from meshrl.models.tiny import build_tokenizer
 from meshrl.rollouts.batches import rollout_trace
+from meshrl.rollouts.chat import ChatSettings
 from meshrl.rollouts.episodes import EpisodeFormat
 from meshrl.tasks.base import task_tools
 from meshrl.tasks.toy import ToolTask
@@ -135,3 +136,45 @@ def test_tool_schemas_reach_the_prompt_and_the_collator_renders_what_was_sampled
     assert batch["input_ids"][0][: len(rollout.token_ids)].tolist() == rollout.token_ids
     without = TraceCollator(tok)([trace]).batch
     assert without["input_ids"].shape[1] < len(rollout.token_ids)  # the bug this guards: schemas left out
+
+
+LONE = "\\ud800"  # JSON's escape of a lone surrogate: plain ASCII to write, a str UTF-8 cannot encode
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3", "mistral"])
+@pytest.mark.parametrize(
+    "name, arguments",
+    [(f"f{LONE}", '{"a": 1}'), ("f", f'{{"a{LONE}": 1}}'), ("f", f'{{"a": [{{"b": "x{LONE}"}}]}}')],
+    ids=["name", "key", "nested value"],
+)
+def test_a_lone_surrogate_anywhere_in_a_call_makes_it_malformed_in_every_parser(parser, name, arguments):
+    """A tool result echoing such a name or key made the tokenizer raise TypeError on the host, and
+    run_python's code the program file's write UnicodeEncodeError (the episode scheduler died)."""
+    call = f'{{"name": "{name}", "arguments": {arguments}}}'
+    texts = {"hermes": [f"<tool_call>{call}</tool_call>"], "llama3": [call.replace('"arguments"', '"parameters"')],
+             "mistral": [f"[TOOL_CALLS][{call}]"]}[parser]  # fmt: skip
+    if parser == "mistral" and LONE not in name:  # v11 writes the name as plain text, never JSON-decoded
+        texts.append(f"[TOOL_CALLS]{name}[ARGS]{arguments}")
+    for text in texts:
+        assert [_fn(c) for c in parse_tool_calls(text, parser).tool_calls] == [(MALFORMED, {})], text
+    pair = '{"name": "f", "arguments": {"a": "\\ud83d\\ude00"}}'  # an escaped surrogate pair is one valid character
+    assert [_fn(c) for c in parse_tool_calls(f"<tool_call>{pair}</tool_call>").tool_calls] == [("f", {"a": "😀"})]
+
+
+@pytest.mark.parametrize(
+    "settings", [ChatSettings("template", "hermes"), ChatSettings("qwen3")], ids=["template", "renderer"]
+)
+def test_a_call_named_with_a_lone_surrogate_is_answered_with_a_tool_error(settings):
+    """Through the episode's own path, the template's parser and a `renderers` renderer's alike: the
+    toy task echoes an unknown tool's name, which made building the tool turn raise TypeError."""
+    tok, task = build_tokenizer(512, "qwen3" if settings.renderer == "qwen3" else "hermes"), ToolTask()
+    episodes = EpisodeFormat(tok, task, settings)
+    (prompt,) = task.sample_prompts(random.Random(0), 1)
+    rollout = episodes.start(prompt)
+    sampled = f'<tool_call>\n{{"name": "lookup{LONE}", "arguments": {{"key": "a"}}}}\n</tool_call>'
+    ids = tok(sampled, add_special_tokens=False)["input_ids"] + episodes.stop_ids[:1]
+    calls = episodes.add_turn(rollout, Completion(rollout.token_ids, ids, [-1.0] * len(ids), "stop", [0] * len(ids)))
+    assert [_fn(c) for c in calls] == [(MALFORMED, {})]
+    episodes.add_tool_results(rollout, calls, [episodes.call_tool(rollout, c) for c in calls])
+    assert rollout.messages[-1]["is_error"] and MALFORMED in rollout.messages[-1]["content"]
+    assert rollout.tool_errors == 1 and len(rollout.token_ids) == len(rollout.loss_mask) == len(rollout.logprobs)
