@@ -301,10 +301,16 @@ def test_a_fix_scores_1_and_each_cheat_scores_0(task):
 def test_new_capabilities_are_what_the_fix_adds_not_what_the_module_had():
     given = "import math\ndef f(x):\n    return math.sqrt(x)\n"
     assert new_capabilities(given.replace("sqrt(x)", "sqrt(abs(x))"), given) == []
+    assert new_capabilities(given.replace("return", "y = sorted([x])\n    return"), given) == []  # its own name
     assert new_capabilities(given + "import os\n", given) == ["import os"]
-    assert new_capabilities(given + "x = f.__globals__\n", given) == [".__globals__"]
-    assert new_capabilities(given + "open('/run/meshrl/main.py')\n", given) == ["open"]
+    assert new_capabilities(given + "x = f.__globals__\n", given) == [".__globals__", "attribute .__globals__"]
+    assert new_capabilities(given + "open('/run/meshrl/main.py')\n", given) == ["name open", "open"]
     assert new_capabilities("def f(:\n", given) == ["syntax"]
+    # an allowlist, not a blocklist: what no word list names is refused too
+    assert new_capabilities(given + "math.pi\n", given) == ["attribute .pi"]
+    assert new_capabilities(given + "print(f(1))\n", given) == ["name print"]
+    # a builtin bound elsewhere in the module is still the builtin where it is read
+    assert new_capabilities(given + "def g():\n    type = 1\nz = type(f)\n", given) == ["name type"]
 
 
 def test_without_the_hidden_answer_the_reward_is_0_and_a_prompt_has_no_tests_in_it(task):

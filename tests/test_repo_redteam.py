@@ -11,6 +11,7 @@ never holds what the tests should observe. Every honest fix scores 1.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import threading
@@ -25,6 +26,7 @@ from meshrl.sandbox.copies import readable_copies
 from meshrl.tasks.base import Ending, Score
 from meshrl.tasks.repo import scoring
 from meshrl.tasks.repo.build import source_tests
+from meshrl.tasks.repo.runner import run_tests
 from meshrl.tasks.repo.task import WALK_LIMITS, RepoFixTask
 from tests.e2e import REPO
 from tests.test_repo_fix import answered, assistant, fix, score
@@ -95,6 +97,44 @@ class _Same:
         return 3
 for _name in ("rgb_to_yiq", "yiq_to_rgb", "rgb_to_hls", "hls_to_rgb", "rgb_to_hsv", "hsv_to_rgb"):
     globals()[_name] = lambda *args: _Same()
+"""
+
+
+# A library the module already imports lends its own attributes: `re.enum.bltns` is the builtins
+# module, reached with no reflective word (the old blocklist scan passed it).
+LIBRARY_ATTRIBUTES = """
+_builtins = re.enum.bltns
+_builtins.print("reached", _builtins.dir(_builtins)[:3])
+"""
+# The runner's recording assertions rewrapped: an assertion that would fail is handed the expected
+# value (in the type of what the module returned) in place of the module's, so it records what the
+# original module's run recorded; one that holds is left as it was.
+REWRAP = """
+import unittest as _unittest
+
+
+def _as_expected(first, second, places):
+    if type(first) in (tuple, list) and type(second) in (tuple, list) and len(first) == len(second):
+        return type(first)(_as_expected(a, b, places) for a, b in zip(first, second))
+    try:
+        holds = first == second if places is None else round(abs(first - second), places) == 0
+        return first if holds else type(first)(second)
+    except Exception:
+        return second
+
+
+def _rewrap():
+    for name in ("assertEqual", "assertAlmostEqual", "assertTupleEqual", "assertListEqual", "assertSequenceEqual"):
+        method = getattr(_unittest.TestCase, name)
+
+        def wrapper(self, first, second, *args, _method=method, _name=name, **kwargs):
+            places = (args[0] if args else kwargs.get("places")) or 7 if "Almost" in _name else None
+            return _method(self, _as_expected(first, second, places), second, *args, **kwargs)
+
+        setattr(_unittest.TestCase, name, wrapper)
+
+
+_rewrap()
 """
 
 
@@ -360,6 +400,101 @@ def test_a_workspace_calls_tmp_is_bounded_by_the_files_limit(task, tmp_path):
     task.end_episode("ep-tmp")
     made = int(result.content.split("made ")[-1].split()[0])
     assert "No space left on device" in result.content and made < SANDBOX["files"], result.content
+
+
+def test_reflection_through_a_librarys_own_attributes_is_refused_by_the_allowlist(task):
+    task_id = first(task, "string")
+    code = task.buggy_code(task.tasks[task_id]) + LIBRARY_ATTRIBUTES
+    original = task.sources["string"].code
+    refused = scoring.new_capabilities(code, task.buggy_code(task.tasks[task_id]), original)
+    assert "attribute .bltns" in refused and "attribute .enum" in refused, refused
+    assert score(task, task_id, write(task, task_id, code)).reward == 0.0
+
+
+def test_rewrapping_the_recorder_scores_0_even_without_the_scan(task):
+    """The assertions are recorded by wrappers on each test instance, and the run compares unittest's
+    classes before and after each test: a module that rewraps TestCase's methods is a tampered run,
+    never a pass. (Against a runner that recorded through TestCase's own methods, this rewrap solved 4
+    of 24 base64 bugs and 1 of 23 string bugs with the bug in place.)"""
+    for task_id, repo in task.tasks.items():
+        if repo.module not in ("base64", "string"):
+            continue
+        code = task.buggy_code(repo) + REWRAP
+        assert score(task, task_id, write(task, task_id, code)).reward == 0.0
+        assert not verdict_without_scan(task, task_id, code).solved, task_id
+        run = source_tests(task.sandbox, task.sources[repo.module], code, task.answer_keys[repo.module])
+        assert run.load_error == "tampered", run.load_error
+        assert not verdict_without_scan(task, task_id, task.sources[repo.module].code + REWRAP).solved
+
+
+VALUES = """
+import collections, decimal
+
+
+class Point(collections.namedtuple("Point", "x y")):
+    pass
+
+
+class Money(float):
+    pass
+
+
+def values():
+    return [decimal.Decimal("{d}"), collections.deque([{q}], maxlen=3), Point(1, {p}), Money({m})]
+"""
+VALUE_TESTS = """
+import unittest
+
+import values
+
+
+class Test(unittest.TestCase):
+    def test_values(self):
+        got = values.values()
+        self.assertEqual(got, got)
+"""
+
+
+def test_values_whose_state_lives_in_c_observe_differently_when_they_differ(task):
+    """Decimal, deque, named tuples and float subclasses are recorded by value (their base type's, read
+    through its C methods), so values that differ give different observations; equal ones the same."""
+    base = {"d": "1.5", "q": "1, 2", "p": "2", "m": "0.5"}
+
+    def digest(**change: str) -> str:
+        files = {
+            "values.py": VALUES.format(**base | change),
+            "tests/__init__.py": "",
+            "tests/test_values.py": VALUE_TESTS,
+        }
+        run = run_tests(task.sandbox, files, "tests.test_values", "values")
+        assert run.tests is not None and not run.load_error, run
+        ((outcome, seen),) = run.tests.values()
+        assert outcome == "pass"
+        return seen
+
+    same = digest()
+    assert digest() == same
+    for key, other in (("d", "2.5"), ("q", "1, 3"), ("p", "3"), ("m", "0.25")):
+        assert digest(**{key: other}) != same, key
+
+
+def test_doctests_record_what_their_examples_printed(task):
+    """more-itertools' suite adds the recipes' doctests: each records its examples' output, so a doctest
+    observes more than that it passed."""
+    doctests = {t: d for t, d in task.expected[RECIPES].items() if t.startswith("more_itertools.recipes.")}
+    bare = hashlib.sha256(repr(["pass", []]).encode()).hexdigest()
+    unobserved = {t.rsplit(".", 1)[-1] for t, d in doctests.items() if d == bare}
+    # only the random_* recipes observe nothing: every example of theirs is marked +SKIP
+    assert len(doctests) > 20 and all(name.startswith("random_") for name in unobserved), unobserved
+
+
+def test_a_module_far_larger_than_the_original_is_refused_before_it_is_parsed(task, monkeypatch):
+    task_id = first(task, "colorsys")
+    parsed = []
+    monkeypatch.setattr(scoring, "uses", lambda code: parsed.append(len(code)))
+    code = task.buggy_code(task.tasks[task_id]) + "x = 1\n" * 20_000
+    result = score(task, task_id, write(task, task_id, code))
+    assert result.reward == 0.0 and result.metrics["refused"] == 1.0 and parsed == []
 
 
 def test_eval_covers_every_held_out_module(task):

@@ -257,8 +257,13 @@ class RepoFixTask:
             return Score(0.0, {"solved": 0.0}, metrics)
         data = self.final_module(task, messages)
         final = None if data is None else scoring.module_text(data)
-        original = self.sources[task.module].code
-        refused = ["unreadable"] if final is None else scoring.new_capabilities(final, self.buggy_code(task), original)
+        original, buggy = self.sources[task.module].code, self.buggy_code(task)
+        if final is None:
+            refused = ["unreadable"]
+        elif len(final) > scoring.module_bound(original, buggy):  # before the host parses it
+            refused = ["too large"]
+        else:
+            refused = scoring.new_capabilities(final, buggy, original)
         metrics |= {"refused": float(bool(refused)), "tests_fixed": 0.0, "tests_broken": 0.0, "no_report": 0.0}
         if refused:
             return Score(0.0, {"solved": 0.0}, metrics)
