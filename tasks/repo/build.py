@@ -31,7 +31,7 @@ from meshrl.sandbox.view import standard_library
 from meshrl.tasks.repo.mutations import Mutation, apply, sites
 from meshrl.tasks.repo.runner import TestRun, run_tests
 
-BUILD_VERSION = 6  # bumped whenever what a build makes changes: older caches are not read
+BUILD_VERSION = 7  # bumped whenever what a build makes changes: older caches are not read
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ PROGRAM = 'exec({source!r}, {{"__builtins__": dict(vars(__import__("builtins")))
 
 RUNNER = r"""
 def run(files, test_module, module, results):
-    import collections, hashlib, inspect, io, itertools, json, math, os, sys, types, unittest
+    import collections, collections.abc, hashlib, inspect, io, itertools, json, math, os, sys, types, unittest
 
     try:
         import doctest
