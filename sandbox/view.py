@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from meshrl.sandbox.core import SandboxUnavailable
+from meshrl.sandbox.core import ENV, SandboxUnavailable
 
 PROBE = """
 import glob, json, os, sys, sysconfig
@@ -41,6 +41,7 @@ print(json.dumps({"executable": os.path.realpath(sys.executable),
 """
 _LIBRARY = re.compile(r"(?:=>\s*)?(/\S+)\s+\(0x")
 LOCALE = Path("/usr/lib/locale/C.utf8")  # LANG=C.UTF-8 in every call
+CALLS_OWN = tuple(map(Path, ("/tmp", "/dev", "/proc", "/work", "/run/meshrl")))  # made by bwrap for the call
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ def _probe(python: str) -> dict[str, Any]:
     if not Path(python).is_file():
         raise SandboxUnavailable(f"sandbox.python {python!r}: no such interpreter")
     try:
-        probe = subprocess.run([python, "-I", "-S", "-c", PROBE], capture_output=True, text=True, timeout=60)
+        probe = subprocess.run([python, "-I", "-S", "-c", PROBE], capture_output=True, text=True, timeout=60, env=ENV)
         return json.loads(probe.stdout)
     except (OSError, ValueError, subprocess.TimeoutExpired) as error:
         raise SandboxUnavailable(f"sandbox.python {python!r} did not answer what it loads: {error}") from error
@@ -80,7 +81,10 @@ def interpreter_view(python: str) -> View:
         raise SandboxUnavailable("the bwrap sandbox needs bash and ldd (Debian/Ubuntu: bash, libc-bin)")
     libraries = standard_library(python)
     programs = Path(bash).resolve().parent
-    loaded = subprocess.run([ldd, found["executable"], bash, *found["extensions"]], capture_output=True, text=True)
+    # the call's own environment (no LD_LIBRARY_PATH of this process: the loader inside sees none)
+    loaded = subprocess.run(
+        [ldd, found["executable"], bash, *found["extensions"]], capture_output=True, text=True, env=ENV
+    )
     binds: set[Path] = {*libraries, programs}
     for match in _LIBRARY.finditer(loaded.stdout):
         path = Path(match.group(1))
@@ -90,6 +94,9 @@ def interpreter_view(python: str) -> View:
     if LOCALE.is_dir():
         binds.add(LOCALE)
     binds = {b for b in binds if b.exists() and not any(b != o and b.is_relative_to(o) for o in binds)}
+    made = [b for b in binds if any(b.is_relative_to(p) for p in CALLS_OWN)]
+    if made:
+        raise SandboxUnavailable(f"sandbox.python {python!r} loads from {made[0]}, where each call has its own files")
     inside = [Path(p) for p in found["packages"]]
     inside += [p for lib in libraries for name in ("site-packages", "dist-packages") if (p := lib / name).is_dir()]
     empty = {p for p in inside if p.is_dir() and any(p.is_relative_to(b) for b in binds)}
