@@ -25,7 +25,7 @@ MAX_HITS = 1000
 RESULTS = "#meshrl-copies "
 
 WALKER = r"""
-import hashlib, io, json, marshal, os, stat, sys, tarfile, types, zipfile
+import hashlib, io, json, marshal, os, stat, tarfile, types, zipfile
 
 SKIP = ("/proc", "/sys", "/dev", "/work", "/tmp", "/run/meshrl")
 MAX_FILE, MAX_MEMBER, MAX_DEPTH = 256 << 20, 32 << 20, 3
@@ -140,9 +140,9 @@ def readable_copies(sandbox: Sandbox, texts: dict[str, str], hidden: Sequence[Pa
     program = (f"RESULTS, SHARED, MIN_LINE, MAX_HITS = {RESULTS!r}, {SHARED!r}, {MIN_LINE!r}, {MAX_HITS!r}\n"
                f"SOURCES = {texts!r}\n" + WALKER)  # fmt: skip
     run = sandbox.run_python(program, hidden=hidden)
-    lines = [line for line in run.stdout.split("\n") if line.startswith(RESULTS)]
+    lines = run.marked(RESULTS)
     if run.limit is not None or len(lines) != 1:
         raise RuntimeError(f"the walk of what the sandbox can read gave no report: {run.report()[-2000:]}")
-    report = json.loads(lines[0][len(RESULTS) :])
+    report = json.loads(lines[0])
     copies = [Copy(name, path, shared) for name, path, shared in report["hits"]]
     return Walk(copies, report["counts"]["files"], report["counts"]["members"])

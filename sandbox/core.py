@@ -77,6 +77,11 @@ class Run:
     def ok(self) -> bool:
         return self.exit_code == 0 and self.limit is None
 
+    def marked(self, marker: str) -> list[str]:
+        """The text after `marker` of each stdout line that starts with it: a program's report line
+        (its caller holds it to exactly one, as untrusted data)."""
+        return [line[len(marker) :] for line in self.stdout.split("\n") if line.startswith(marker)]
+
     def report(self) -> str:
         """The call as a tool result's text."""
         status = f"exit status {self.exit_code}" if self.exit_code is not None else "killed"

@@ -200,11 +200,11 @@ def is_literal(value: Any) -> bool:
 def claimed_results(run: Run, calls: int) -> list[tuple[str, Any]] | None:
     """The answer's results for the `calls` calls: its one results line, parsed as literals only
     and well formed, else None (no line, two lines, a line too long, too deep or malformed)."""
-    lines = [line for line in run.stdout.split("\n") if line.startswith(RESULTS)]
-    if not run.ok or len(lines) != 1 or len(lines[0]) > RESULTS_CHARS:
+    lines = run.marked(RESULTS)
+    if not run.ok or len(lines) != 1 or len(RESULTS) + len(lines[0]) > RESULTS_CHARS:
         return None
     try:
-        results = literal(lines[0][len(RESULTS) :])
+        results = literal(lines[0])
         well_formed = type(results) is list and len(results) == calls and is_literal(results)
     except Exception:  # noqa: BLE001 - whatever the line makes the parser raise (nesting, int digits), it claims nothing
         return None

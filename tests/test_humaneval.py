@@ -15,9 +15,9 @@ import pytest
 from meshrl.inference.completion import Completion
 from meshrl.inference.toolcalls import MALFORMED
 from meshrl.models.tiny import build_tokenizer
-from meshrl.rollouts.episodes import EpisodeFormat
+from meshrl.rollouts.episodes import EpisodeFormat, Rollout
 from meshrl.sandbox import SandboxUnavailable
-from meshrl.tasks.base import Ending
+from meshrl.tasks.base import Ending, Prompt
 from meshrl.tasks.humaneval import HumanEvalTask, Refused, bounded, claimed_results, program, record, replay
 
 FIRST = "HumanEval/0"
@@ -129,15 +129,15 @@ def test_the_splits_are_disjoint_and_evaluation_takes_the_held_out_problems(task
     assert (one_turn.tools, one_turn.max_turns) == ([], 1)
 
 
-def test_a_coding_episode_runs_its_code_in_the_sandbox_and_is_scored_on_hidden_tests(task):
+def play(task: HumanEvalTask, prompt: Prompt, call: dict) -> Rollout:
+    """An episode of two scripted turns, scored: `call` as a run_python tool call, then the canonical
+    solution as the answer."""
     tokenizer = build_tokenizer(512, "hermes")
     episodes = EpisodeFormat(tokenizer, task)
-    prompt = task.prompt(FIRST)
-    problem = task.problems[FIRST]
+    problem = task.problems[prompt.info["problem"]]
     rollout = episodes.start(prompt)
-    probe = "import os\nprint(sorted(os.listdir('/')), 6 * 7)\nopen('/etc/x', 'w')"
     turns = [
-        "<tool_call>\n" + json.dumps({"name": "run_python", "arguments": {"code": probe}}) + "\n</tool_call>",
+        f"<tool_call>\n{json.dumps(call)}\n</tool_call>",
         f"```python\n{problem['prompt']}{problem['canonical_solution']}```",
     ]
     for text in turns:
@@ -146,6 +146,14 @@ def test_a_coding_episode_runs_its_code_in_the_sandbox_and_is_scored_on_hidden_t
         if episodes.goes_on(rollout, calls):
             episodes.add_tool_results(rollout, calls, [episodes.call_tool(rollout, c) for c in calls])
     episodes.score(rollout)
+    return rollout
+
+
+def test_a_coding_episode_runs_its_code_in_the_sandbox_and_is_scored_on_hidden_tests(task):
+    prompt = task.prompt(FIRST)
+    problem = task.problems[FIRST]
+    probe = "import os\nprint(sorted(os.listdir('/')), 6 * 7)\nopen('/etc/x', 'w')"
+    rollout = play(task, prompt, {"name": "run_python", "arguments": {"code": probe}})
     tool = rollout.messages[3]
     assert tool["role"] == "tool" and tool["is_error"]  # it wrote outside its directory: an error result
     assert "42" in tool["content"] and "'home'" not in tool["content"]  # it ran, sandboxed
@@ -165,21 +173,7 @@ def test_a_coding_episode_runs_its_code_in_the_sandbox_and_is_scored_on_hidden_t
 def test_a_run_python_call_holding_a_lone_surrogate_is_a_tool_error_and_the_episode_goes_on(task, call):
     """JSON lets the policy write `"\\ud800"` in plain ASCII: echoed as an unknown tool's name it made
     the tokenizer raise TypeError, and as code the sandbox's program-file write UnicodeEncodeError."""
-    tokenizer = build_tokenizer(512, "hermes")
-    episodes = EpisodeFormat(tokenizer, task)
-    prompt = task.prompt(FIRST)
-    problem = task.problems[FIRST]
-    rollout = episodes.start(prompt)
-    turns = [
-        f"<tool_call>\n{json.dumps(call)}\n</tool_call>",
-        f"```python\n{problem['prompt']}{problem['canonical_solution']}```",
-    ]
-    for text in turns:
-        ids = [*tokenizer(text, add_special_tokens=False)["input_ids"], *episodes.stop_ids]
-        calls = episodes.add_turn(rollout, Completion(rollout.token_ids, ids, [0.0] * len(ids), "stop"))
-        if episodes.goes_on(rollout, calls):
-            episodes.add_tool_results(rollout, calls, [episodes.call_tool(rollout, c) for c in calls])
-    episodes.score(rollout)
+    rollout = play(task, task.prompt(FIRST), call)
     assert rollout.messages[2]["tool_calls"][0]["function"] == {"name": MALFORMED, "arguments": {}}
     assert rollout.messages[3]["is_error"] and MALFORMED in rollout.messages[3]["content"]
     assert rollout.reward == 1.0 and rollout.stop_condition == "agent_completed"

@@ -163,10 +163,10 @@ def answer_key(source: Source, python: str) -> list[Path]:
     return sorted(found)
 
 
-def refuse_readable_copies(sandbox: Sandbox, sources: Sequence[Source], answer_keys: dict[str, list[Path]]) -> int:
+def refuse_readable_copies(sandbox: Sandbox, sources: Sequence[Source], answer_keys: dict[str, list[Path]]) -> None:
     """Walk what a call of `sandbox` can read (`copies`) and refuse, naming each, any file or archive
     member sharing most of a source module's lines (or its bytecode) that its answer key does not
-    hide: a task whose answer is readable is no task. Returns the files walked."""
+    hide: a task whose answer is readable is no task."""
     walk = readable_copies(sandbox, {source.module: source.code for source in sources})
     found = [c for c in walk.copies if Path(c.path) not in answer_keys.get(c.name, ())]
     if found:
@@ -175,7 +175,6 @@ def refuse_readable_copies(sandbox: Sandbox, sources: Sequence[Source], answer_k
             f"task.kwargs: a copy of a task's module is readable in the sandbox, so its answer is too ({listed}). "
             "Point sandbox.python at an interpreter whose standard library holds no copy of it, or drop the module"
         )
-    return walk.files
 
 
 @dataclass

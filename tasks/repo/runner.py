@@ -271,10 +271,10 @@ def run_tests(
     run = sandbox.run_python(program, hidden=hidden)
     if run.limit is not None:
         return TestRun(None, error=f"limit {run.limit}")
-    lines = [line for line in run.stdout.split("\n") if line.startswith(RESULTS)]
+    lines = run.marked(RESULTS)
     if len(lines) != 1:
         return TestRun(None, error=f"{len(lines)} report lines, exit status {run.exit_code}")
-    return parse_report(lines[0][len(RESULTS) :])
+    return parse_report(lines[0])
 
 
 def parse_report(text: str) -> TestRun:
