@@ -163,7 +163,6 @@ class Workspace:
         self.directory, self.uid, self._release, self.hidden = directory, uid, release, tuple(hidden)
         self.lock = threading.Lock()
         self.closed = False
-        self.last_used = time.monotonic()
 
     def close(self) -> None:
         with self.lock:
@@ -292,8 +291,6 @@ class ProcessSandbox(Sandbox):
             stdout, stderr = (b.decode("utf-8", "replace") for b in (out, err))
             status = None if killed_for else exit_status(process.returncode)
             limit = killed_for or self._limit(uid, status, stderr, workspace)
-        if workspace is not None:
-            workspace.last_used = time.monotonic()
         return Run(stdout, stderr, status, limit, time.monotonic() - start)
 
 

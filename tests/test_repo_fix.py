@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import json
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -138,17 +139,19 @@ def test_a_workspace_keeps_an_episodes_files_and_no_other_episode_sees_them(task
     task.end_episode("a")
 
 
-def test_an_idle_workspace_is_removed_when_the_next_episode_starts(task):
+def test_a_running_episodes_workspace_outlasts_any_pause_between_its_calls(task, monkeypatch):
+    """A day between two calls (a long turn, a wait for room in the engine): another episode starting
+    meanwhile leaves the workspace and its files; only the episode's end removes it."""
     task_id = task.split_ids[0]
-    call(task, "left", task_id, "Glob", pattern="*.py")
-    directory = task._workspaces["left"].directory
-    task.idle_s, before = 0.0, task.idle_s
-    try:
-        call(task, "next", task_id, "Glob", pattern="*.py")
-    finally:
-        task.idle_s = before
-    assert "left" not in task._workspaces and not directory.exists()
+    assert not call(task, "long", task_id, "Write", file_path="/work/notes.txt", content="mine\n").is_error
+    directory = task._workspaces["long"].directory
+    clock = time.monotonic
+    monkeypatch.setattr(time, "monotonic", lambda: clock() + 86_400.0)
+    call(task, "next", task_id, "Glob", pattern="*.py")
+    assert call(task, "long", task_id, "Read", file_path="/work/notes.txt").content == "     1\tmine"
     task.end_episode("next")
+    task.end_episode("long")
+    assert not directory.exists() and task.live_workspaces() == 0
 
 
 def test_a_task_this_build_lacks_is_a_tool_error_and_ids_name_the_bug(task):

@@ -63,8 +63,7 @@ HINTS = {
 class RepoFixTask:
     """`modules` and `eval_modules` (held out) are standard-library modules with their tests; each
     gives at most `per_module` tasks from `tries` mutations (seeded by `seed`), built once into
-    `cache_dir`. `idle_s`: a workspace no call has used for this long is removed (an episode its
-    scheduler dropped). `sandbox`: the `SandboxConfig` of every call, the hidden tests' too."""
+    `cache_dir`. `sandbox`: the `SandboxConfig` of every call, the hidden tests' too."""
 
     # Workspaces have state: an outside worker's tool turns are taken from its messages, and the
     # reward rebuilds the state itself (`scoring`).
@@ -81,7 +80,6 @@ class RepoFixTask:
         tries: int = 80,
         per_module: int = 40,
         cache_dir: str = "~/.cache/meshrl",
-        idle_s: float = 900.0,
         sandbox: dict[str, Any] | None = None,
     ) -> None:
         if split not in ("train", "test", "all"):
@@ -94,7 +92,7 @@ class RepoFixTask:
         named = {source.module for source in sources}
         modules += [m for m in held_out if m not in modules and m not in named]
         sources = [load_source(module) for module in modules] + sources
-        self.max_turns, self.idle_s = max_turns, idle_s
+        self.max_turns = max_turns
         self.tools = tools.TOOLS
         config = SandboxConfig(**(sandbox or {}))
         self.sandbox = make_sandbox(config)
@@ -201,13 +199,11 @@ class RepoFixTask:
             self.end_episode(episode)
 
     def episode_call(self, episode: str, prompt: Prompt, name: str, arguments: dict[str, Any]) -> ToolResult:
-        """A call in the episode's workspace, made at its first call (a task this build lacks is a tool error)."""
+        """A call in the episode's workspace, made at its first call (a task this build lacks is a tool error).
+        It stays until `end_episode`, however long between calls: a long turn looks like an abandoned
+        episode, and every runner ends its episodes (the scheduler's `finally` and `close`, the ingress's)."""
         with self._lock:
-            idle = [k for k, w in self._workspaces.items() if time.monotonic() - w.last_used > self.idle_s]
-            stale = [self._workspaces.pop(k) for k in idle if k != episode]
             opening = self._opening.setdefault(episode, threading.Lock())
-        for old in stale:
-            old.close()
         with opening:  # two calls of one turn: one makes the workspace, the other waits for it
             with self._lock:
                 workspace = self._workspaces.get(episode)
