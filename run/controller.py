@@ -316,12 +316,11 @@ def starting(config: RunConfig, run: RunDir, fresh_dir: bool) -> Controller:
 
 
 def running(controller: Controller, stop: StopSignals) -> None:
-    """Spawn the meshes (they ignore Ctrl-C: it reaches the whole process group), resume or warm
-    start, train; the meshes are stopped however it ends."""
+    """Spawn the meshes (their processes ignore Ctrl-C: it reaches the whole process group), resume or
+    warm start, train; the meshes are stopped however it ends."""
     config, run = controller.config, controller.run
     try:
-        with stop.children_ignore():
-            controller.spawn()
+        controller.spawn()
         warm_from = controller.restore()
         warm_steps = config.trainer.warm_start_steps
         purge_from = controller.step if warm_from is None else warm_from - warm_steps

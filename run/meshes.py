@@ -27,8 +27,8 @@ class Meshes:
     """The trainer mesh (one SPMD group) and the generator and teacher pools of a run."""
 
     def __init__(self, config: RunConfig, model_path: str, run: RunDir) -> None:
-        """Place the meshes (topology config) and spawn their actors. Every mesh is spawned before
-        any is waited on, so their processes start (and import) side by side."""
+        """Place the meshes (topology config) and spawn their actors. Every mesh's actors are spawned
+        before any is waited on, so they import and load side by side."""
         install_fault_hook()
         self.config, self.run = config, run
         self.lost_hosts: frozenset[int] = frozenset()  # host indices found gone (their meshes are not waited on)

@@ -3,16 +3,14 @@ the run then checkpoints it, draws its plots, prints how to resume and exits wit
 A second signal stops at once (the newest complete checkpoint is where a resume starts).
 
 A terminal's Ctrl-C reaches the whole foreground process group, the meshes' processes too: they are
-spawned with SIGINT ignored, so only the controller decides how the run ends.
+started with SIGINT ignored (topology/placement.py), so only the controller decides how the run ends.
 """
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -60,21 +58,3 @@ class StopSignals:
         self.received = signum
         print(f"\nmeshrl: {signal.Signals(signum).name}: stopping after the step in flight, with a checkpoint "
               "(send it again to stop at once)", file=sys.stderr, flush=True)  # fmt: skip
-
-    @contextlib.contextmanager
-    def children_ignore(self) -> Iterator[None]:
-        """Processes started inside inherit SIGINT ignored (an ignored signal stays ignored across exec);
-        a SIGINT arriving meanwhile is still this run's stop request."""
-        if not self._before:
-            yield
-            return
-        pending: list[int] = []
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, lambda signum, frame: pending.append(signum))
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGINT, self._handle)
-            signal.signal(signal.SIGTERM, self._handle)
-            for signum in pending:
-                self._handle(signum, None)

@@ -62,9 +62,28 @@ def _pid(out: Path, role: str) -> int:
     return actor["pid"]
 
 
+def _replacement(out: Path, role: str, dead: int, proc: subprocess.Popen, timeout: float = 240) -> int:
+    """The pid topology.json gives `role` once it names the actor replacing `dead`."""
+    deadline = time.time() + timeout
+    while (pid := _pid(out, role)) == dead:
+        assert proc.poll() is None, f"the run ended before the {role} was replaced: rc {proc.returncode}"
+        assert time.time() < deadline, f"no {role} replacement within {timeout} s"
+        time.sleep(0.2)
+    return pid
+
+
+def _ignores_sigint(pid: int) -> bool:
+    """Whether the process has SIGINT ignored (its /proc status's SigIgn mask): a terminal's Ctrl-C,
+    sent to the whole process group, then reaches only the controller."""
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    mask = next(line.split()[1] for line in status if line.startswith("SigIgn:"))
+    return bool(int(mask, 16) & 1 << (signal.SIGINT - 1))
+
+
 def test_killed_generator_and_teacher_and_bad_endpoints_do_not_stop_training(tmp_path):
     """Also a tool that floods every result (60 KB of hex: ~100k tokens unbounded) in episodes and
-    in the warm start's demonstrations, and a generator whose task raises once: every step trains."""
+    in the warm start's demonstrations, and a generator whose task raises once: every step trains.
+    Every mesh process ignores SIGINT, the replacements too (Ctrl-C stops only the controller)."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), _BadEndpoint)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_port}"
@@ -88,10 +107,14 @@ def test_killed_generator_and_teacher_and_bad_endpoints_do_not_stop_training(tmp
     try:
         _wait_for_step(out, 1, proc)
         generator, teacher = _pid(out, "generator"), _pid(out, "teacher")
+        # The generator may be a replacement already: the one whose task raised is.
+        assert [r for r in ("generator", "teacher", "trainer") if not _ignores_sigint(_pid(out, r))] == []
         os.kill(generator, signal.SIGKILL)
+        assert _ignores_sigint(_replacement(out, "generator", generator, proc))
         # The teacher dies once it has answered a round (its failures are then counted).
         _wait_for(out, proc, "a teacher round", lambda found: found and "teacher/failures" in found[-1])
         os.kill(teacher, signal.SIGKILL)
+        assert _ignores_sigint(_replacement(out, "teacher", teacher, proc))
         assert proc.wait(timeout=240) == 0, (tmp_path / "train.log").read_text()[-3000:]
     finally:
         proc.kill()

@@ -4,11 +4,16 @@ All three placements end in one Monarch host mesh; each role spans its first
 `topology.<role>.hosts` hosts with `procs` processes on each (roles may share hosts, as a
 colocated trainer and generator do). Attaching and SLURM go through Monarch's own
 `attach_to_workers` and `SlurmJob`; nothing here opens a socket itself.
+
+The processes this host starts for a role, first or replacing a dead one, ignore SIGINT: a terminal's
+Ctrl-C reaches the whole foreground process group, and only the controller decides how a run ends
+(run/stopping.py). A worker host's processes are its `meshrl worker`'s.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 from typing import Any
 
 from monarch.actor import attach_to_workers, enable_transport, this_host
@@ -78,7 +83,7 @@ class Placement:
     def procs(self, role: str) -> Any:
         """A fresh proc mesh for `role`: `procs` processes on each of its hosts."""
         place = getattr(self.topology, role)
-        return self._host_range(0, place.hosts).spawn_procs(per_host={"procs": place.procs})
+        return _spawn_procs(self._host_range(0, place.hosts), place.procs)
 
     def _host_range(self, start: int, stop: int) -> Any:
         """Hosts [start, stop) of the placement (this host alone in local mode)."""
@@ -109,4 +114,17 @@ class Placement:
     def replacement_procs(self, role: str, rank: int) -> Any:
         """One fresh proc on the host of a role's rank, for an actor replacing a dead one."""
         index = self.host_index(role, rank)
-        return self._host_range(index, index + 1).spawn_procs(per_host={"procs": 1})
+        return _spawn_procs(self._host_range(index, index + 1), 1)
+
+
+def _spawn_procs(hosts: Any, procs: int) -> Any:
+    """`procs` processes on each of `hosts`, started with SIGINT ignored (an ignored signal stays ignored
+    across exec; a handled one does not). Monarch starts them in the background, so SIGINT is ignored
+    here until they are up: a Ctrl-C in that window (a fraction of a second) is not seen."""
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        mesh = hosts.spawn_procs(per_host={"procs": procs})
+        mesh.initialized.get()
+    finally:
+        signal.signal(signal.SIGINT, before)
+    return mesh
