@@ -267,7 +267,8 @@ class Controller:
 def train(config: RunConfig, changes: dict[str, Any] | None = None) -> Path:
     """Run (or resume) training; returns the run directory. `changes`: what a resume changed in
     the run's config (recorded beside it). The first SIGINT/SIGTERM stops the run after the step in
-    flight with a checkpoint (`RunInterrupted`); a second stops it at once (`StopNow`)."""
+    flight with a checkpoint (`RunInterrupted`), unless that step was the last: the run is complete and
+    exported; a second stops it at once (`StopNow`)."""
     fresh_dir = not Path(config.output_dir).exists()
     run = RunDir(config.output_dir)
     run.lock()
@@ -280,7 +281,7 @@ def train(config: RunConfig, changes: dict[str, Any] | None = None) -> Path:
         with StopSignals() as stop:
             running(controller, stop)
         plot(run.root)
-        if stop.received is not None:
+        if stop.received is not None and controller.step < config.max_steps:  # one in the last step: complete
             if run.latest_checkpoint() is None:  # stopped in the warm start
                 warm = run.latest_checkpoint(WARM_START)
                 where = f"in the warm start, after SFT step {warm.name.rpartition('_')[2] if warm else 0} of {config.trainer.warm_start_steps}"

@@ -102,3 +102,21 @@ def test_ctrl_c_and_a_kill_then_resume_continue_the_run_exactly(tmp_path):
     got = records(out)
     assert [r["step"] for r in got] == list(range(6)) and len(records(out, "warm_start")) == 6
     assert any(r["replay_pairs"] > 0 for r in got[stopped_at:]) and any("loss/replay" in r for r in got[stopped_at:])
+
+
+def test_a_stop_during_the_last_step_leaves_a_complete_exported_run(tmp_path):
+    """SIGTERM while the last step waits for its prompts: the step trains, and the run, complete,
+    exports final/ and exits 0 rather than asking to resume a run with nothing left to do."""
+    hold = tmp_path / "hold"
+    hold.touch()
+    out = tmp_path / "run"
+    run = _start(out, *SMALL, "--teachers.members", "[]", "--max-steps", "1",
+                 "--task.kwargs", json.dumps({"hold_file": str(hold)}))  # fmt: skip
+    _until(run, "meshrl: meshes up")  # the stop signals are the run's from before the meshes start
+    run.send_signal(signal.SIGTERM)
+    _until(run, "meshrl: SIGTERM: stopping after the step in flight")
+    hold.unlink()  # step 0 of 1 gets its prompts
+    tail = run.stdout.read()
+    assert run.wait(timeout=120) == 0, tail[-3000:]
+    assert [r["step"] for r in records(out)] == [0] and (out / "checkpoints" / "step_1" / "COMPLETE").exists()
+    assert (out / "final" / "config.json").exists() and f"run finished: {out}" in tail
