@@ -89,6 +89,9 @@ def lm_head_weight(model: nn.Module) -> Tensor:
 
     A head with a bias, and families that soft-cap or scale their logits (Gemma 2's
     final_logit_softcapping, Cohere's logit_scale, Granite's logits_scaling, ...), are refused by name.
+    A head with LoRA adapters (peft's layer around it) is its base weight plus each active adapter's
+    delta, so the adapters score and train as peft's forward uses them (without adapter dropout);
+    its `.weight` alone is the base, which left a head's adapters out of the loss and untrained.
     """
     config = getattr(model, "config", None)
     for name in LOGIT_TRANSFORMS:
@@ -101,7 +104,10 @@ def lm_head_weight(model: nn.Module) -> Tensor:
     head = model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise ValueError("chunked logprobs support LM heads without a bias")
-    return head.weight
+    adapters = getattr(head, "lora_A", None)
+    if adapters is None or head.merged or head.disable_adapters:
+        return head.weight
+    return head.weight + sum(head.get_delta_weight(name) for name in head.active_adapters if name in adapters)
 
 
 def hidden_states(model: nn.Module, input_ids: Tensor, **forward_kwargs) -> Tensor:

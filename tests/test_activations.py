@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from meshrl.configs import load_config
 from meshrl.loss_adapters.logprobs import sequence_token_logprobs
 from meshrl.models.gguf import ensure_gguf
 from meshrl.models.tiny import ensure_tiny
 from meshrl.trainer.activations import checkpointed_layers
+from meshrl.trainer.attention import WINDOW_BLOCK, use_document_attention
 from meshrl.trainer.core import TrainerCore
 from tests.test_gguf import SMOLLM2
 from tests.test_moe import MOE
@@ -121,3 +123,53 @@ def test_a_sample_packed_among_others_scores_as_alone(paths, shape):
             # attention across a document would move them by orders of magnitude more
             torch.testing.assert_close(packed[start + 1 : start + n], alone[1:], rtol=1e-5, atol=2e-6)
             start += n
+
+
+def _small(config_class: type, **extra) -> torch.nn.Module:
+    """A two-layer model of a transformers family, random weights, built here (nothing to download)."""
+    config = config_class(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, **extra)  # fmt: skip
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+
+
+@pytest.mark.parametrize("block", [WINDOW_BLOCK, 5])
+@pytest.mark.parametrize("family", ["mistral, window 4", "qwen2, window 4 on its second layer", "llama, no window"])
+def test_document_attention_is_eager_attention_with_or_without_a_sliding_window(family, block, monkeypatch):
+    """Each document of a packed row scores as transformers' eager attention scores it alone, a
+    layer's sliding window included (a window was dropped: |documents − eager| 1.49 on a windowed
+    Mistral); in blocks of queries smaller than a document too."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    from meshrl.trainer import attention
+
+    monkeypatch.setattr(attention, "WINDOW_BLOCK", block)
+    model = {
+        "mistral, window 4": lambda: _small(MistralConfig, sliding_window=4),
+        "qwen2, window 4 on its second layer": lambda: _small(Qwen2Config, use_sliding_window=True,
+                                                              sliding_window=4, max_window_layers=1),
+        "llama, no window": lambda: _small(LlamaConfig),
+    }[family]()  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    lengths = [16, 3, 11]
+    ids = torch.randint(0, 64, (1, sum(lengths)), generator=g)
+    with torch.no_grad():
+        alone = [model(part).logits for part in ids.split(lengths, dim=1)]
+        use_document_attention(model)
+        positions = torch.cat([torch.arange(n) for n in lengths])[None]
+        packed = model(ids, position_ids=positions).logits
+    torch.testing.assert_close(packed, torch.cat(alone, dim=1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_attention_that_sdpa_cannot_compute_is_refused_naming_it(family):
+    """Soft-capped attention logits (Gemma 2) and attention sinks (gpt-oss) are not plain attention:
+    the trainer refuses such a model when it is set up rather than score another policy."""
+    from transformers import Gemma2Config, GptOssConfig
+
+    if family == "gemma2":
+        model, match = _small(Gemma2Config, query_pre_attn_scalar=8), r"attn_logit_softcapping = 50.0"
+    else:
+        model, match = _small(GptOssConfig, num_local_experts=2, num_experts_per_tok=1), "attention sinks"
+    with pytest.raises(ValueError, match=rf"model.path: a {family} model .*{match}"):
+        use_document_attention(model)

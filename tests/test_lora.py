@@ -203,11 +203,16 @@ def test_adapters_merged_match_peft_on_every_module_kind(kind, tmp_path):
             assert torch.equal(value, base[key]), key
 
 
-def test_a_checkpoint_of_embedding_adapters_resumes(tmp_path):
-    """peft saves an embedding's adapters without `.weight` (lora_embedding_A): they map back to the
-    model's own names on resume, where they were refused as not fitting model.lora."""
+def test_adapters_on_the_embedding_and_the_head_train_score_as_peft_and_resume(tmp_path):
+    """The loss reads the head's weight directly (chunked logprobs): an adapted head counts as its
+    base weight plus the adapter's delta, so its logprobs are peft's forward's and its adapters train
+    (they got no gradient, and a checkpoint of them could not resume: no optimizer state). peft saves
+    an embedding's adapters without `.weight` (lora_embedding_A): they map back to the model's own
+    names on resume, where they were refused as not fitting model.lora."""
+    from meshrl.loss_adapters.logprobs import sequence_token_logprobs
+
     config = load_config(["--model.tiny.family", "llama", "--model.lora",
-                          '{"r": 4, "target_modules": ["embed_tokens", "q_proj"]}', "--trainer.lr", "1e-2"])  # fmt: skip
+                          '{"r": 4, "target_modules": ["embed_tokens", "q_proj", "lm_head"]}', "--trainer.lr", "1e-2"])  # fmt: skip
     path = str(ensure_tiny(tmp_path / "model", config.model.tiny))
     core = TrainerCore(config, path)
     core.train_step([[rl_batch(core.model, 0)]], [None], rl_tokens=10)
@@ -217,9 +222,31 @@ def test_a_checkpoint_of_embedding_adapters_resumes(tmp_path):
     resumed.load(tmp_path / "ckpt")
     trained = {n: p for n, p in core.model.named_parameters() if ".lora_" in n}
     assert any("lora_embedding_B" in n and p.abs().sum() > 0 for n, p in trained.items())
+    assert trained["lm_head.lora_B.default.weight"].abs().sum() > 0
     for name, value in resumed.model.named_parameters():
         if ".lora_" in name:
             assert torch.equal(value, trained[name]), name
+    ids = rl_batch(core.model, 2)["input_ids"]
+    with torch.no_grad():
+        full = torch.log_softmax(core.model(ids).logits.float(), dim=-1)[:, :-1].gather(-1, ids[:, 1:, None])
+        torch.testing.assert_close(sequence_token_logprobs(core.model, ids, 8)[:, 1:], full[..., 0])
+
+
+def test_the_lora_reference_with_adapter_dropout_is_deterministic(tmp_path):
+    """`lora_dropout` is for the policy's training forward: the reference (the frozen adapters, on the
+    same model in train mode) scored the same pairs differently on every call."""
+    config = load_config([*LORA, "--model.lora", '{"r": 4, "lora_alpha": 8, "lora_dropout": 0.5}',
+                          "--loss.replay.weight", "0.5"])  # fmt: skip
+    path = str(ensure_tiny(tmp_path / "model", config.model.tiny))
+    core = TrainerCore(config, path)
+    vocab = core.model.config.vocab_size
+    steps(core, 2)
+    core.start_rl()  # the trained adapters become the reference: dropout on them would show
+    batch = dpo_batch(5, vocab)
+    chunk = config.model.logprob_chunk_size
+    first, second = (core.ref_call(lambda model, b: reference_sums(model, b, chunk), batch) for _ in range(2))
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    assert core.model.training  # the policy still trains with its dropout
 
 
 def test_adapters_on_a_tied_head_are_refused_at_start_up(tmp_path):
@@ -238,15 +265,20 @@ def test_adapters_on_two_fsdp2_ranks_match_one_rank_and_their_checkpoint_resumes
     """FSDP2 shards the adapted model: two steps on two ranks (DPO replay on, so the reference with
     the adapters off runs sharded) match one rank holding every batch; the adapters alone and the
     merged weights are gathered whole; the sharded checkpoint resumes on one rank with the same
-    adapters and a reference that is still the base model exactly."""
+    adapters and a reference that is still the base model exactly. The adapters sit on the input
+    embedding and an untied head too, which the root unit gathers: the root stayed gathered after
+    the reference's forward, so the policy's second step ran with the frozen adapters there
+    (loss/rl 0.0493 against 0.0521)."""
     from monarch.actor import this_host
     from monarch.spmd import setup_torch_elastic_env
 
     from meshrl.actors.trainer import TrainerActor
     from tests.test_trainer import _cat
 
-    args = [*LORA, "--trainer.parallelism", "fsdp2", "--topology.trainer.procs", "2", "--trainer.lr", "1e-3",
-            "--loss.replay.weight", "0.5", "--loss.replay.variant", "dpo"]  # fmt: skip
+    lora = ["--model.tiny.family", "llama", "--trainer.lr", "1e-3", "--loss.replay.weight", "0.5",
+            "--loss.replay.variant", "dpo", "--model.lora",
+            '{"r": 4, "lora_alpha": 8, "target_modules": ["embed_tokens", "q_proj", "lm_head"]}']  # fmt: skip
+    args = [*lora, "--trainer.parallelism", "fsdp2", "--topology.trainer.procs", "2"]
     model_path = str(ensure_tiny(tmp_path / "tiny", load_config(args).model.tiny))
     config = load_config([*args, "--model.path", model_path])
     single = TrainerCore(config, model_path)
@@ -281,8 +313,7 @@ def test_adapters_on_two_fsdp2_ranks_match_one_rank_and_their_checkpoint_resumes
     for name, value in whole.items():
         torch.testing.assert_close(merged[0][name], value, rtol=1e-4, atol=1e-6)
 
-    resumed = TrainerCore(load_config([*LORA, "--model.path", model_path, "--loss.replay.weight", "0.5",
-                                       "--loss.replay.variant", "dpo"]), model_path)  # fmt: skip
+    resumed = TrainerCore(load_config([*lora, "--model.path", model_path]), model_path)
     resumed.load(tmp_path / "ckpt")
     for name, value in resumed.weights(torch.float32, adapters_only=True).items():
         assert torch.equal(value, adapters[0][name]), name

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoModelForCausalLM
 
@@ -108,7 +108,10 @@ class FrozenAdapters:
     of the adapters RL started from (the base model, B = 0, until a warm start trained them), so it
     shares the model and, under FSDP2, the root unit that gathers its parameters. The swap is made
     and undone around the reference's forward, which runs before the policy's (nothing autograd
-    saved sees it)."""
+    saved sees it). The forward runs in eval mode (adapter dropout off: a reference scores the same
+    rows the same way every time), and under FSDP2 the root is resharded after it: a root unit stays
+    gathered after a forward, and the policy's forward that follows would reuse its gathered
+    parameters, which hold the frozen adapters of root-level modules (an adapted embedding or head)."""
 
     call: ModelCall
     names: list[str]
@@ -121,14 +124,19 @@ class FrozenAdapters:
         return cls(call, [n for n, _ in named], [p for _, p in named], [p.detach().clone() for _, p in named])
 
     def __call__(self, fn: Any, *args: Any) -> Any:
+        training = self.call.training
+        reshard(self.call)  # gathered values would not see the swap
         with torch.no_grad():
             kept = [p.detach().clone() for p in self.live]
             for p, frozen in zip(self.live, self.frozen, strict=True):
                 p.copy_(frozen)
         torch.clear_autocast_cache()  # autocast keeps one cast per weight for the region: not the live values'
+        self.call.train(False)
         try:
             return self.call(fn, *args)
         finally:
+            self.call.train(training)
+            reshard(self.call)
             with torch.no_grad():
                 for p, value in zip(self.live, kept, strict=True):
                     p.copy_(value)
@@ -151,6 +159,13 @@ class FrozenAdapters:
                 whole = state[name].to(frozen.device, frozen.dtype)
                 frozen.copy_(distribute_tensor(whole, frozen.device_mesh, frozen.placements)
                              if isinstance(frozen, DTensor) else whole)  # fmt: skip
+
+
+def reshard(call: nn.Module) -> None:
+    """Free an FSDP2 unit's gathered parameters (a root unit keeps them after a forward, for the
+    backward it expects), so its next forward gathers the shards as they are then."""
+    if isinstance(call, FSDPModule):
+        call.reshard()
 
 
 def _whole(value: torch.Tensor) -> torch.Tensor:
@@ -356,6 +371,8 @@ class TrainerCore:
         if all(k in batch for k in REPLAY_KEYS) and "dpo_ref_chosen_logprob" not in batch:
             (sums,) = self.ref_call(lambda model, batch: (reference_sums(model, batch, chunk_size),), batch)
             batch = {**batch, **sums}
+        if isinstance(self.ref_call, ModelCall):
+            reshard(self.ref_call)  # a separate reference's root would hold its embedding and head whole
         return batch
 
     def _loss(
