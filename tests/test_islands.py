@@ -4,7 +4,8 @@ One run serves every assertion: island b is SIGKILLed after its first committed 
 island a, a goes on alone, b comes back with `--resume`, heals to the global weights and syncs
 with a again. Condition-driven (EchoTask's hold file pauses a run at a step boundary): b waits
 for its first prompts until a has trained a step, so b cannot run all its steps alone while a
-starts; a is paused from its first outer step alone until the resumed b has trained a step (its
+starts, then takes a fixed number of draws and pauses, so it cannot run past the state the test
+kills it in (it once finished all its steps before a loaded machine saw that state); a is paused from its first outer step alone until the resumed b has trained a step (its
 torchft manager is up), so a cannot finish before b is back, however slow the machine."""
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import e2e
 from e2e import ENV, LOSS_SWAPS, MESHRL, REPO, SMALL, assert_loss_swap
 
 STEPS, H = 24, 2
+B_DRAWS = 6  # island b's prompt draws before it is killed: steps enough for an outer step and step_2's checkpoint
 ISLAND = [*SMALL, "--max-steps", str(STEPS), "--ckpt.interval", "2",
           "--loss.replay.weight", "0", "--loss.sdpo.weight", "0", "--teachers.members", "[]",
           "--trainer.diloco.sync_every", str(H), "--trainer.diloco.host", "localhost",
@@ -85,12 +87,13 @@ def test_two_islands_sync_survive_a_death_and_heal_on_resume(tmp_path):
     b = island(b_out, "b", lighthouse.address())
     try:
         wait_for(lambda: records(a_out), a, "island a's first step")
-        (tmp_path / "hold_b").unlink()
+        (tmp_path / "hold_b").write_text(str(B_DRAWS))  # b takes its first draws, then pauses until killed
         both = lambda rs: [r for r in rs if r.get("diloco/islands") == 2]  # noqa: E731
         wait_for(lambda: both(records(b_out)) and (b_out / "checkpoints" / "step_2" / "COMPLETE").exists(), b,
                  "island b's first outer step with a")  # fmt: skip
         os.killpg(b.pid, signal.SIGKILL)
         b.wait()
+        (tmp_path / "hold_b").unlink()
         killed_at = records(b_out)[-1]["step"]
         # a goes on alone: a later outer step commits with one island; then a waits for b
         wait_for(lambda: any(r.get("diloco/islands") == 1 and r["step"] > killed_at for r in records(a_out)), a,
