@@ -4,16 +4,16 @@ exactly that state (a run about to collapse, say), with far fewer runs than whol
     python benchmarks/branch.py RUN STEP --steps 20 --reps 3 --arm on --arm "off:--loss.replay.weight 0"
 
 RUN is a finished run directory holding `checkpoints/step_STEP` (run it with `--ckpt.interval 1
---ckpt.keep-last 250` to branch from any step). Each repetition of each arm copies RUN's config,
-tiny model, teacher cache and that checkpoint into OUT/ARM_I, then resumes it for `--steps` steps:
-`meshrl train @ RUN/config.toml --output-dir OUT/ARM_I --resume --max-steps STEP+STEPS ARGS`, where
-ARGS are the arm's overrides after its colon (split as a shell splits them). Repetitions and arms
-alternate, so the machine's load falls on each alike. A resumed run draws the same prompts and seeds;
-it differs from its siblings by the timing of its asynchronous steps, as whole runs do. Per branch it
-prints the rewards step by step (a branch that fails is reported and left out), then per arm the mean
-over the branches from the second step on (the first was mostly sampled before the branch's own first
-update) of reward, tool errors, `grad_norm`, the replay loss and, for thinking models, the sampled
-reasoning (`reasoning/tokens`).
+--ckpt.keep-last 250` to branch from any step). Each repetition of each arm copies RUN's config
+(with the changes its resumes recorded), tiny model, teacher cache and that checkpoint into
+OUT/ARM_I, then resumes it for `--steps` steps: `meshrl train ARGS --output-dir OUT/ARM_I --resume
+--allow-config-change --max-steps STEP+STEPS`, where ARGS are the arm's overrides after its colon
+(split as a shell splits them). Repetitions and arms alternate, so the machine's load falls on each
+alike. A resumed run draws the same prompts and seeds; it differs from its siblings by the timing of
+its asynchronous steps, as whole runs do. Per branch it prints the rewards step by step (a branch
+that fails is reported and left out), then per arm the mean over the branches from the second step
+on (the first was mostly sampled before the branch's own first update) of reward, tool errors,
+`grad_norm`, the replay loss and, for thinking models, the sampled reasoning (`reasoning/tokens`).
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from meshrl.configs.run_record import ALLOW_CHANGE, CHANGES, RECORD
 from meshrl.run.run_dir import RunDir
 
 REPO = Path(__file__).resolve().parents[1]
-CARRIED = ("config.toml", "tiny_model", "teacher_cache.jsonl")  # what a resumed run reads besides the checkpoint
+CARRIED = (RECORD, CHANGES, "tiny_model", "teacher_cache.jsonl")  # what a resumed run reads besides the checkpoint
 
 
 def branch(run: Path, step: int, steps: int, out: Path, overrides: list[str]) -> list[dict]:
@@ -44,8 +45,8 @@ def branch(run: Path, step: int, steps: int, out: Path, overrides: list[str]) ->
             shutil.copy2(source, out / name)
     shutil.copytree(run / "checkpoints" / f"step_{step}", out / "checkpoints" / f"step_{step}")
     shutil.copy2(run / "metrics.jsonl", out / "metrics.jsonl")  # the resume keeps the records step_N covers
-    command = [sys.executable, "-m", "meshrl.cli.main", "train", "@", str(run / "config.toml"), *overrides]
-    command += ["--output-dir", str(out), "--resume", "--no-overwrite", "--max-steps", str(step + steps)]
+    command = [sys.executable, "-m", "meshrl.cli.main", "train", *overrides]  # over the copied run's config
+    command += ["--output-dir", str(out), "--resume", ALLOW_CHANGE, "--max-steps", str(step + steps)]
     command += ["--ckpt.interval", "1000000"]  # last: an arm's preset sets none of these
     with (out.parent / f"{out.name}.log").open("w") as log:
         subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True)

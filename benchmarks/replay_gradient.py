@@ -26,8 +26,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from meshrl.configs.loader import read_preset
-from meshrl.configs.schema import RunConfig
+from meshrl.configs.run_record import run_config
 from meshrl.loss_adapters.logprobs import sequence_token_logprobs
 from meshrl.loss_adapters.replay import dpo_loss
 from meshrl.rollouts.chat import ChatSettings, make_chat
@@ -61,7 +60,7 @@ def main() -> None:
     parser.add_argument("steps", type=int, nargs="+")
     parser.add_argument("--episodes", type=int, default=24, help="correct demonstrations in the likelihood gradient")
     args = parser.parse_args()
-    config = RunConfig.model_validate(read_preset(args.run / "config.toml"))
+    config = run_config(args.run)  # with the changes its resumes recorded
     task = make_task(config.task)
     chat = ChatSettings.of(config.model)
     tools = task_tools(task)

@@ -20,7 +20,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from meshrl.configs import ConfigError, RunConfig, load_config, to_toml
 from meshrl.configs.keys import config_keys, models_in
-from meshrl.configs.run_record import ALLOW_CHANGE, resume_config, run_record_of, run_sources
+from meshrl.configs.run_record import ALLOW_CHANGE, run_config, run_record_of, train_config
 from meshrl.traces.claude_code import TraceFormatError, ingest_claude_code
 
 CONFIG_FORMS = """config sources, applied left to right:
@@ -95,12 +95,7 @@ def _cmd_config_keys(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     from meshrl.run.preflight import preflight  # no torch: a refusal comes within a second
 
-    allow_change = ALLOW_CHANGE in args.sources
-    sources = [word for word in args.sources if word != ALLOW_CHANGE]
-    config = load_config(sources)
-    changes: dict = {}
-    if config.resume:  # the run's own record, with these sources on top
-        config, changes = resume_config(config, sources, allow_change)
+    config, changes = train_config(args.sources)  # a resume: the run's own config, these sources on top
     preflight(config)
     tls = config.topology.tls
     if any(address.startswith("tls://") for address in config.topology.workers):
@@ -158,7 +153,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     record = run_record_of(checkpoint) if checkpoint is not None else None
     if record is not None:  # a run's checkpoint is scored on the run's own task and settings
         print(f"config: {record}" + (" with the given sources on top" if sources else ""), flush=True)
-    config = load_config(sources, before=run_sources(record.parent) if record is not None else [])
+    config = run_config(record.parent, sources) if record is not None else load_config(sources)
     from meshrl.run.evaluate import evaluate_base, evaluate_checkpoint
 
     try:

@@ -42,6 +42,11 @@ def models_in(annotation: object) -> list[type[BaseModel]]:
     return [m for arg in typing.get_args(annotation) for m in models_in(arg)]
 
 
+def union_tag(models: list[type[BaseModel]]) -> str:
+    """The field a tagged union's members are told apart by."""
+    return "type" if "type" in models[0].model_fields else "backend"
+
+
 def config_keys(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[ConfigKey]:
     """Every leaf field under `model`; union members by tag."""
     rows = []
@@ -54,7 +59,7 @@ def config_keys(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[Co
         if len(models) == 1 and typing.get_origin(field.annotation) is not list:
             rows += config_keys(models[0], key + ".")
         elif models:
-            tag_name = "type" if "type" in models[0].model_fields else "backend"
+            tag_name = union_tag(models)
             tags = [m.model_fields[tag_name].default for m in models]
             list_key = f"{key}[]" if typing.get_origin(field.annotation) is list else key
             shown = "[]" if list_key != key else repr(getattr(field.get_default(call_default_factory=True), tag_name))

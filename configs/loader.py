@@ -4,14 +4,18 @@ Sources apply left to right: later presets deep-merge over earlier ones, overrid
 both; free-form dicts (`task.kwargs`, `loss.kwargs`) are replaced whole, so `{}` clears them.
 Every leaf remembers where it was set, so a validation error names the key *and* the file (or
 the command line) it came from; an unknown key also the union member that refused it (with where
-its tag was set) and the nearest valid key.
+its tag was set) and the nearest valid key. Over a run's own resolved config (`before`), a source
+that switches a union's member (`--loss.type ipo`) keeps the keys the new member takes and drops
+the old member's others.
 """
 
 from __future__ import annotations
 
+import copy
 import difflib
 import json
 import tomllib
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +23,7 @@ from typing import Any
 import tomli_w
 from pydantic import BaseModel, ValidationError
 
-from meshrl.configs.keys import models_in
+from meshrl.configs.keys import models_in, union_tag
 from meshrl.configs.schema import FREE_FORM, RunConfig
 
 COMMAND_LINE = "the command line"
@@ -168,6 +172,8 @@ def _origin_of(loc: tuple[Any, ...], merged: dict[str, Any], where: dict[tuple[s
         else:
             node = None
         path.append(str(part))
+    if not path:  # a check across sections: it read every source
+        return "", ", ".join(dict.fromkeys(origin for _, origin in sorted(set(where.values())))) or "the defaults"
     for n in range(len(path), 0, -1):
         prefix = tuple(path[:n])
         origins = [origin for p, origin in where.items() if p[:n] == prefix]
@@ -199,7 +205,7 @@ def _place(loc: tuple[Any, ...], merged: dict[str, Any]) -> _Place | None:
             place.path = (*place.path, str(part))
             node = node[part] if isinstance(node, list) else None
         elif len(models) > 1:  # the union's tag
-            tag = "type" if "type" in models[0].model_fields else "backend"
+            tag = union_tag(models)
             models = [m for m in models if m.model_fields[tag].default == part]
             place.tag, place.tag_given = (tag, part), isinstance(node, dict) and tag in node
         elif part in models[0].model_fields:
@@ -247,7 +253,7 @@ def _format_errors(exc: ValidationError, merged: dict[str, Any], where: dict[tup
             lines.append(f"{origin}: unknown key '{key}'{_unknown_key_hint(tuple(err['loc']), merged, where)}")
         else:
             shown = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
-            lines.append(f"{origin}: {key}: {err['msg']}{shown}")
+            lines.append(f"{origin}: {f'{key}: ' if key else ''}{err['msg']}{shown}")
     return "invalid config:\n  " + "\n  ".join(lines)
 
 
@@ -274,14 +280,62 @@ def _prime_rl_names(merged: dict[str, Any], where: dict[tuple[str, ...], Origin]
         loss["type"] = PRIME_RL_LOSS_TYPES[loss["type"]]
 
 
-def load_config(args: list[str] | None = None, before: list[tuple[str, dict[str, Any]]] = ()) -> RunConfig:
+TaggedUnion = tuple[tuple[str, ...], str, dict[str, type[BaseModel]]]  # path, tag field, members by tag value
+
+
+def _tagged_unions(model: type[BaseModel] = RunConfig, path: tuple[str, ...] = ()) -> list[TaggedUnion]:
+    """The schema's tagged-union sections outside lists (a list is always set whole)."""
+    found: list[TaggedUnion] = []
+    for name, field in model.model_fields.items():
+        models = models_in(field.annotation)
+        if typing.get_origin(field.annotation) is list or not models:
+            continue
+        if len(models) == 1:
+            found += _tagged_unions(models[0], (*path, name))
+        else:
+            tag = union_tag(models)
+            found.append(((*path, name), tag, {m.model_fields[tag].default: m for m in models}))
+    return found
+
+
+TAGGED_UNIONS = _tagged_unions()
+
+
+def _drop_switched_members_keys(merged: dict[str, Any], where: dict[tuple[str, ...], Origin], resolved: int) -> None:
+    """A run's own config (the first `resolved` sources) holds every key of its union members. A later
+    source that switches the member (loss.type) keeps the keys the new member takes; the old member's
+    others were never asked for, so they go (a preset's stay, and are refused by name)."""
+    for path, tag, members in TAGGED_UNIONS:
+        node: Any = merged
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+        switched = where.get((*path, tag))
+        if not isinstance(node, dict) or node.get(tag) not in members or switched is None:
+            continue
+        taken = members[node[tag]].model_fields
+        for key in [key for key in node if key not in taken]:
+            set_at = where.get((*path, key))
+            if set_at is not None and set_at[0] < min(resolved, switched[0]):
+                del node[key]
+                for known in [p for p in where if p[: len(path) + 1] == (*path, key)]:
+                    del where[known]
+
+
+def load_config(
+    args: list[str] | None = None, before: list[tuple[str, dict[str, Any]]] = (), only: tuple[str, ...] | None = None
+) -> RunConfig:
     """Compose defaults, presets and overrides into a validated RunConfig; `before`: (origin,
-    partial config) sources applied ahead of `args` (a run's recorded config and its changes)."""
+    partial config) sources applied ahead of `args`, a run's own resolved config (its record and
+    recorded changes). `only`: the top-level keys taken from the sources, the rest left at their
+    defaults (where a resume's run is, before the run's config that the rest applies over is read)."""
     merged: dict[str, Any] = {}
     where: dict[tuple[str, ...], Origin] = {}
     for order, (origin, partial) in enumerate([*before, *parse_sources(args or [])]):
-        _merge(merged, partial, (order, origin), where)
+        _merge(merged, copy.deepcopy(partial), (order, origin), where)  # later sources must not edit it
+    if only is not None:
+        merged = {key: value for key, value in merged.items() if key in only}
     _prime_rl_names(merged, where)
+    _drop_switched_members_keys(merged, where, len(before))
     try:
         return RunConfig.model_validate(merged)
     except ValidationError as exc:
@@ -289,5 +343,6 @@ def load_config(args: list[str] | None = None, before: list[tuple[str, dict[str,
 
 
 def to_toml(config: RunConfig) -> str:
-    """The resolved config as TOML that `@` reads back to the same config (None fields are omitted)."""
+    """The resolved config as TOML that `@` reads back to the same config (None fields are omitted, and
+    so are the per-invocation flags resume and overwrite)."""
     return tomli_w.dumps(config.model_dump(mode="json", exclude_none=True))

@@ -5,7 +5,10 @@ resume makes is appended to DIR/config_changes.jsonl with its date, so config.to
 of how the run started and the two together say what it trains with now. A resume composes them
 with whatever presets and overrides come beside `--resume`, so a forgotten preset changes nothing;
 a changed setting that alters training is refused (naming the keys) unless the user passes
-`--allow-config-change`.
+`--allow-config-change`. A section whose kind changed (another loss.type, model.lora turned on or
+off) is recorded whole, so setting each recorded key replays exactly the config the run used; a
+resume whose record would not replay so is refused before anything is recorded. `resume` and
+`overwrite` belong to one invocation and are never recorded or replayed.
 """
 
 from __future__ import annotations
@@ -16,39 +19,39 @@ import os
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
+from pydantic_core import to_jsonable_python
+
 from meshrl.configs.loader import ConfigError, load_config, read_preset
-from meshrl.configs.schema import FREE_FORM, RunConfig
+from meshrl.configs.schema import RunConfig
 
 RECORD = "config.toml"
 CHANGES = "config_changes.jsonl"
 ALLOW_CHANGE = "--allow-config-change"
 # Keys a resume changes freely: how long the run goes, where and how it is watched and saved, and
 # where its hosts are. Everything else alters what is trained.
-FREE_KEYS = ("max_steps", "output_dir", "resume", "overwrite", "ckpt.", "metrics.", "eval.", "generator.weight_sync",
-             "topology.mode", "topology.workers", "topology.controller_address", "topology.attach_timeout_s",
-             "topology.tls.", "topology.slurm.")  # fmt: skip
+FREE_KEYS = ("max_steps", "output_dir", "ckpt.", "metrics.", "eval.", "generator.weight_sync", "topology.mode",
+             "topology.workers", "topology.controller_address", "topology.attach_timeout_s", "topology.tls.",
+             "topology.slurm.")  # fmt: skip
+# What one invocation does with output_dir (resume, overwrite): never part of a run's config, though
+# a record an earlier meshrl wrote may hold them.
+PER_INVOCATION = tuple(name for name, field in RunConfig.model_fields.items() if field.exclude)
 
 
-def flat(config: RunConfig) -> dict[str, Any]:
-    """Every setting under its dotted key (free-form dicts such as task.kwargs as one value)."""
-    out: dict[str, Any] = {}
-
-    def walk(prefix: str, value: Any) -> None:
-        if isinstance(value, dict) and prefix.rpartition(".")[2] not in FREE_FORM:
-            for key, sub in value.items():
-                walk(f"{prefix}.{key}" if prefix else key, sub)
-        else:
-            out[prefix] = value
-
-    walk("", config.model_dump(mode="json"))
+def changed(recorded: BaseModel, now: BaseModel, prefix: str = "") -> dict[str, tuple[Any, Any]]:
+    """The settings whose values differ: dotted key -> (recorded, now). A section whose kind changed
+    (another union member, or turned on or off) is one key with both values whole, so that setting
+    the key to its new value replays it; lists and free-form dicts are whole values too."""
+    out: dict[str, tuple[Any, Any]] = {}
+    for name, field in type(recorded).model_fields.items():
+        if field.exclude:
+            continue
+        was, value, key = getattr(recorded, name), getattr(now, name), f"{prefix}{name}"
+        if isinstance(was, BaseModel) and type(was) is type(value):
+            out.update(changed(was, value, f"{key}."))
+        elif to_jsonable_python(was) != to_jsonable_python(value):
+            out[key] = (to_jsonable_python(was), to_jsonable_python(value))
     return out
-
-
-def changed(recorded: RunConfig, now: RunConfig) -> dict[str, tuple[Any, Any]]:
-    """The keys whose values differ: key -> (recorded, now)."""
-    before, after = flat(recorded), flat(now)
-    keys = sorted(set(before) | set(after))
-    return {key: (before.get(key), after.get(key)) for key in keys if before.get(key) != after.get(key)}
 
 
 def alters_training(key: str) -> bool:
@@ -60,39 +63,51 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _as_source(changes: dict[str, Any]) -> dict[str, Any]:
+    """Changes (dotted key -> value now) as a partial config that sets each key to its value."""
+    nested: dict[str, Any] = {}
+    for key, now in changes.items():
+        *path, last = key.split(".")
+        node = nested
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = now
+    return nested
+
+
 def run_sources(run_dir: Path) -> list[tuple[str, dict[str, Any]]]:
     """The run's config as sources: its record, then each resume's recorded changes in order."""
     record = run_dir / RECORD
-    sources = [(str(record), read_preset(record))]
+    started = {key: value for key, value in read_preset(record).items() if key not in PER_INVOCATION}
+    sources = [(str(record), started)]
     changes = run_dir / CHANGES
     if changes.exists():
         for n, line in enumerate(changes.read_text().splitlines(), 1):
             try:
-                entry = json.loads(line)
-                nested: dict[str, Any] = {}
-                for key, change in entry["changes"].items():
-                    *path, last = key.split(".")
-                    node = nested
-                    for part in path:
-                        node = node.setdefault(part, {})
-                    node[last] = change["now"]
+                nested = _as_source({key: change["now"] for key, change in json.loads(line)["changes"].items()})
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 raise ConfigError(f"{changes}:{n}: not a config change record ({exc})") from None
             sources.append((f"{changes}:{n}", nested))
     return sources
 
 
+def run_config(run_dir: Path, sources: list[str] | None = None) -> RunConfig:
+    """The config the run at `run_dir` trains with now (its record with the recorded changes
+    replayed), `sources` on top: what a resume, `meshrl eval` and `meshrl export` read."""
+    return load_config(sources, before=run_sources(run_dir))
+
+
 def resume_config(config: RunConfig, sources: list[str], allow_change: bool) -> tuple[RunConfig, dict[str, Any]]:
-    """The config a `--resume` of `config.output_dir` trains with: the run's record and the changes
-    earlier resumes made, then `sources` on top. Returns it with its changes against the run's
-    config so far; refuses a change that alters training unless `allow_change`. A directory without
-    a record (no run yet) resumes nothing: `config` as is."""
+    """The config a `--resume` of `config.output_dir` trains with: the run's config so far, then
+    `sources` on top. Returns it with its changes against the run's config so far; refuses a change
+    that alters training unless `allow_change`, and one that would not replay from the record to
+    this very config. A directory without a record (no run yet) resumes nothing: `sources` alone."""
     run_dir = Path(config.output_dir)
     if not (run_dir / RECORD).exists():
-        return config, {}
+        return load_config(sources), {}
     so_far = run_sources(run_dir)
     before, resumed = load_config(before=so_far), load_config(sources, before=so_far)
-    changes = {key: pair for key, pair in changed(before, resumed).items() if key != "resume"}
+    changes = changed(before, resumed)
     refused = [key for key in changes if alters_training(key)]
     if refused and not allow_change:
         listed = "; ".join(f"{key} {_show(changes[key][1])} (the run's: {_show(changes[key][0])})" for key in refused)
@@ -101,7 +116,24 @@ def resume_config(config: RunConfig, sources: list[str], allow_change: bool) -> 
             f"{listed}. Drop them to continue the run as it was, or pass {ALLOW_CHANGE} to continue with them "
             f"(the change is recorded in {CHANGES})"
         )
+    line = _as_source({key: now for key, (_, now) in changes.items()})
+    replayed = load_config(before=[*so_far, (f"{run_dir / CHANGES} (this resume's line)", line)])
+    if lost := changed(replayed, resumed):
+        raise ConfigError(
+            f"--resume: recorded in {CHANGES}, the change would replay to another config ({', '.join(lost)}); "
+            "nothing was recorded"
+        )
     return resumed, changes
+
+
+def train_config(words: list[str]) -> tuple[RunConfig, dict[str, Any]]:
+    """The config `meshrl train WORDS` runs with, and what a resume changes. A resume's sources apply
+    over the run's config, so they are validated there only (`--loss.cap` alone tunes a tis run)."""
+    sources = [word for word in words if word != ALLOW_CHANGE]
+    target = load_config(sources, only=("output_dir", "resume"))
+    if not target.resume:
+        return load_config(sources), {}
+    return resume_config(target, sources, ALLOW_CHANGE in words)
 
 
 def record_changes(run_dir: Path, changes: dict[str, tuple[Any, Any]], resumed_from: str | None) -> None:

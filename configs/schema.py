@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 # Fields holding user dicts (passed to user functions): their keys are kept verbatim.
 FREE_FORM = frozenset({"kwargs", "chat_template_kwargs"})
@@ -779,8 +779,11 @@ class RunConfig(Section):
     max_steps: int = Field(100, ge=1, description="Optimizer steps of the run.")
     output_dir: str = Field("runs/local", min_length=1, description="Where config, metrics, checkpoints and plots go.")
     seed: int = Field(0, ge=0, description="Seed of every random stream in the run.")
+    # resume and overwrite say what this invocation does with output_dir, not how the run trains: they
+    # are left out of every dump, so a run's config.toml never replays them.
     resume: bool = Field(
         False,
+        exclude=True,
         description="Continue from the newest complete checkpoint in output_dir, with the run's own config.toml "
         "(sources given beside it apply on top; a change that alters training needs --allow-config-change).",
     )
@@ -792,6 +795,7 @@ class RunConfig(Section):
     )
     overwrite: bool = Field(
         False,
+        exclude=True,
         description="Start over in an output_dir that holds a run: its checkpoints, metrics, plots, final "
         "and tiny models are removed first (the teacher answer cache is kept).",
     )
@@ -807,11 +811,13 @@ class RunConfig(Section):
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation (meshrl eval, eval.interval).")
     ingress: IngressConfig = Field(default_factory=IngressConfig, description="Rollout workers outside the mesh.")
 
-    @model_validator(mode="after")
-    def _resume_or_overwrite(self) -> RunConfig:
-        if self.resume and self.overwrite:
+    @field_validator("overwrite")
+    @classmethod
+    def _not_with_resume(cls, overwrite: bool, info: ValidationInfo) -> bool:
+        """A field's check, so the error names where overwrite was set."""
+        if overwrite and info.data.get("resume"):
             raise ValueError("resume and overwrite are both set: continue the run in output_dir, or start over there")
-        return self
+        return overwrite
 
     @model_validator(mode="after")
     def _deterministic(self) -> RunConfig:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from meshrl.configs import load_config
+from meshrl.configs.run_record import RECORD, run_config
 from meshrl.run.run_dir import RunDir, fsync_dir, fsync_tree
 from meshrl.trainer.core import DTYPES
 
@@ -45,9 +45,9 @@ def export_model(source: Path, out: Path, dtype: str) -> Path:
 
 def export_run(run_dir: Path, out: Path, step: int | None = None) -> Path:
     """Export checkpoint `step` of the run at `run_dir` (its newest complete one when None)."""
-    if not (run_dir / "config.toml").is_file():
-        raise ValueError(f"{run_dir}: not a run directory (no config.toml)")
-    config = load_config(["@", str(run_dir / "config.toml")])
+    if not (run_dir / RECORD).is_file():
+        raise ValueError(f"{run_dir}: not a run directory (no {RECORD})")
+    config = run_config(run_dir)  # with the changes its resumes recorded (model.dtype among them)
     checkpoints = RunDir(run_dir).complete_checkpoints()
     if not checkpoints:
         raise ValueError(f"{run_dir / 'checkpoints'}: no complete checkpoint to export")

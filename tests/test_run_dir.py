@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from meshrl.configs import ConfigError, load_config, to_toml
-from meshrl.configs.run_record import record_changes, resume_config, run_record_of
+from meshrl.cli.main import main
+from meshrl.configs import ConfigError, RunConfig, load_config, run_record, to_toml
+from meshrl.configs.run_record import ALLOW_CHANGE as ALLOW
+from meshrl.configs.run_record import record_changes, resume_config, run_record_of, train_config
 from meshrl.run.run_dir import COMPLETE, RunDir, RunDirBusy
+from meshrl.run.stopping import resume_hint
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -129,6 +134,100 @@ def test_resume_starts_from_the_runs_record_and_refuses_changes_that_alter_train
     assert load_config(["@", str(out / "config.toml")]).trainer.lr == 3e-4
     entry = json.loads((out / "config_changes.jsonl").read_text())
     assert entry["resumed_from"] == "step_20" and entry["changes"]["trainer.lr"] == {"was": 3e-4, "now": 1e-4}
+
+
+def _resume(out: Path, *extra: str) -> RunConfig:
+    """A resume as `meshrl train` makes it from the command a stopped run prints, `extra` on top:
+    its config, its changes recorded as the run records them."""
+    config, changes = train_config([*shlex.split(resume_hint(out))[2:], *extra])
+    record_changes(out, changes, "step_20")
+    return config
+
+
+def _eval_config(out: Path, monkeypatch) -> RunConfig:
+    """The config `meshrl eval --checkpoint RUN` scores the run's checkpoint with."""
+    seen: list[RunConfig] = []
+
+    def evaluate(config: RunConfig, checkpoint: str, out: Path | None) -> SimpleNamespace:
+        seen.append(config)
+        return SimpleNamespace(prompts=0, k=0, metrics=dict)
+
+    monkeypatch.setattr("meshrl.run.evaluate.evaluate_checkpoint", evaluate)
+    assert main(["eval", "--checkpoint", str(out)]) == 0
+    return seen[0]
+
+
+def test_a_run_started_with_overwrite_resumes_with_the_command_meshrl_prints(tmp_path):
+    out = _recorded_run(tmp_path, "--overwrite")  # the usual way to rerun into a directory
+    assert "overwrite" not in (out / "config.toml").read_text()  # a flag of that invocation, not of the run
+    assert _resume(out).max_steps == 60
+    # A record an earlier meshrl wrote holds the flag: it is not replayed.
+    (out / "config.toml").write_text("overwrite = true\n" + (out / "config.toml").read_text())
+    config = _resume(out)
+    assert config.resume and not config.overwrite and not (out / "config_changes.jsonl").exists()
+
+
+def test_resumes_that_swap_the_loss_replay_to_the_config_the_run_used(tmp_path, monkeypatch):
+    out = _recorded_run(tmp_path, "--loss.kl-tau", "0.01")
+    with pytest.raises(ConfigError, match=r"loss \{"):  # the recipe as a whole, refused without the flag
+        _resume(out, "--loss.type", "ipo")
+    ipo = _resume(out, "--loss.type", "ipo", "--loss.ipo-threshold", "0.3", ALLOW)
+    # What both recipes take carries over from the run; the other recipe's knobs do not.
+    assert ipo.loss.type == "ipo" and ipo.loss.ipo_threshold == 0.3 and ipo.loss.kl_tau == 0.01
+    assert ipo.loss.replay.weight == 0.1 and ipo.loss.sdpo.weight == 0.05
+    entry = json.loads((out / "config_changes.jsonl").read_text())
+    assert set(entry["changes"]) == {"loss"} and entry["changes"]["loss"]["now"]["type"] == "ipo"
+    assert _resume(out) == ipo  # the printed command: no change, nothing recorded
+    assert _resume(out, "--loss.ipo-threshold", "0.4", ALLOW).loss.ipo_threshold == 0.4  # the run's recipe's knob
+    tis = _resume(out, "--loss.type", "tis", "--loss.cap", "1.5", ALLOW)
+    assert tis.loss.type == "tis" and tis.loss.cap == 1.5 and tis.loss.kl_tau == 0.01
+    assert _resume(out) == tis and len((out / "config_changes.jsonl").read_text().splitlines()) == 3
+    assert _eval_config(out, monkeypatch).loss == tis.loss
+
+
+def test_resumes_that_turn_lora_off_and_on_again_replay_to_the_config_the_run_used(tmp_path, monkeypatch):
+    out = _recorded_run(tmp_path, "--model.lora", '{"r": 8, "lora_alpha": 16}')
+    with pytest.raises(ConfigError, match=r"model.lora null \(the run's: \{"):
+        _resume(out, "--model.lora", "null")
+    off = _resume(out, "--model.lora", "null", ALLOW)
+    assert off.model.lora is None
+    entry = json.loads((out / "config_changes.jsonl").read_text())
+    assert entry["changes"] == {"model.lora": {"was": {"r": 8, "lora_alpha": 16.0, "lora_dropout": 0.0,
+                                                       "target_modules": "all-linear"}, "now": None}}  # fmt: skip
+    assert _resume(out) == off and _eval_config(out, monkeypatch).model.lora is None
+    on = _resume(out, "--model.lora.r", "4", ALLOW)
+    assert on.model.lora is not None and on.model.lora.r == 4 and on.model.lora.lora_alpha == 32.0
+    assert _resume(out) == on and _eval_config(out, monkeypatch).model.lora == on.model.lora
+
+
+@pytest.mark.parametrize(
+    ("recorded", "refusal"),
+    [
+        ({"model.lora.r": (8, None)}, r"\(this resume's line\): model\.lora\.r: Input should be a valid integer"),
+        ({}, r"the change would replay to another config \(model\.lora\); nothing was recorded"),
+    ],
+    ids=["per-field-nulls", "forgotten"],
+)
+def test_a_change_whose_record_would_not_replay_is_refused(tmp_path, monkeypatch, recorded, refusal):
+    """A record the diff got wrong (as lora's removal once was: per-field nulls) stops the resume
+    before the run starts and records it."""
+    out = _recorded_run(tmp_path, "--model.lora", '{"r": 8}')
+    real, wrong = run_record.changed, [recorded]
+    monkeypatch.setattr(run_record, "changed", lambda *diffed: wrong.pop() if wrong else real(*diffed))
+    with pytest.raises(ConfigError, match=refusal):
+        _resume(out, "--model.lora", "null", ALLOW)
+
+
+def test_export_casts_to_the_dtype_a_resume_changed(tmp_path, monkeypatch):
+    from meshrl.run import export
+
+    out = _recorded_run(tmp_path)
+    _resume(out, "--model.dtype", "bfloat16", ALLOW)
+    RunDir(out).commit_checkpoint(RunDir(out).staging(20), 20, {"step": 20}, keep_last=1)
+    cast: list[str] = []
+    monkeypatch.setattr(export, "export_model", lambda source, to, dtype: cast.append(dtype) or to)
+    export.export_run(out, tmp_path / "exported")
+    assert cast == ["bfloat16"]
 
 
 def test_eval_finds_the_config_of_the_run_a_checkpoint_belongs_to(tmp_path):
