@@ -24,6 +24,7 @@ SHAPES = {
     "qwen3": QWEN_TIED,
     "moe": MOE,
     "lora": [*QWEN_TIED, "--model.lora", '{"r": 4, "lora_alpha": 8}'],
+    "llama": ["--model.tiny.family", "llama"],  # SmolLM2's family (untied here), at the tiny size
 }
 
 
@@ -59,7 +60,7 @@ def _gradients(core: TrainerCore) -> tuple[dict[str, torch.Tensor], dict[str, fl
 
 @pytest.mark.parametrize(
     "shape, mode",
-    [(shape, mode) for shape in ("qwen3", "moe", "lora") for mode in ("full", "selective")] + [("smollm2", "full")],
+    [(shape, mode) for shape in ("qwen3", "moe", "lora") for mode in ("full", "selective")] + [("llama", "full")],
 )
 def test_checkpointed_layers_give_the_unchecked_gradients(paths, shape, mode):
     args = [*SHAPES.get(shape, []), *CHANNELS, "--trainer.lr", "1e-3"]

@@ -215,8 +215,7 @@ def smollm2(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(smollm2) -> VLLMEngine:
-    """A window past the CPU build's default step budget (4,096 tokens), for the long-prompt test."""
-    return VLLMEngine(str(smollm2), dtype="float32", enforce_eager=True, max_model_len=6144, kv_tokens=8192)
+    return cpu_engine(smollm2)
 
 
 @pytest.fixture(scope="module")
@@ -255,14 +254,6 @@ def test_sampled_and_greedy_tokens_carry_the_trainers_logprobs(engine, trainer_m
         with torch.no_grad():
             logits = trainer_model(torch.tensor([turn.prompt_ids + turn.completion_ids])).logits[0]
         assert logits[len(turn.prompt_ids) - 1 : -1].argmax(-1).tolist() == turn.completion_ids
-
-
-def test_a_seeded_prompt_longer_than_a_steps_token_budget_samples_on_the_cpu_build(engine):
-    """A 5,000-token prompt outgrows the CPU build's default step budget (4,096 tokens): chunked, the
-    seeded request's partial prefill failed ("CPU Generator does not use offset"); it is prefilled whole."""
-    prompt = [3 + j % 400 for j in range(5000)]
-    turns = engine.generate([prompt], temperature=1.0, top_p=1.0, max_new_tokens=4, seed=3)
-    assert [len(turn.completion_ids) for turn in turns] == [4]
 
 
 def test_an_update_is_refused_whole_when_a_weight_is_missing_or_misshapen(engine, trainer_model):
@@ -402,6 +393,17 @@ def test_vllm_logs_warnings_alone_by_default_and_a_tied_heads_sync_no_failed_lay
     records.clear()
     VLLMEngine(str(path), dtype="float32", enforce_eager=True, max_model_len=256, kv_tokens=1024, log_level="info")
     assert any(r.levelno == logging.INFO for r in records)
+
+
+def test_a_seeded_prompt_longer_than_a_steps_token_budget_samples_on_the_cpu_build(tmp_path):
+    """A 5,000-token prompt outgrows the CPU build's default step budget (4,096 tokens): chunked, the
+    seeded request's partial prefill failed ("CPU Generator does not use offset"); it is prefilled whole.
+    On a tiny model (SmolLM2's prefill of it took 36 s of the suite)."""
+    path = ensure_tiny(tmp_path / "long", TinyModelConfig(hidden_size=64, num_heads=2, max_position_embeddings=8192))
+    engine = VLLMEngine(str(path), dtype="float32", enforce_eager=True, max_model_len=6144, kv_tokens=8192)
+    prompt = [3 + j % 90 for j in range(5000)]
+    turns = engine.generate([prompt], temperature=1.0, top_p=1.0, max_new_tokens=4, seed=3)
+    assert [len(turn.completion_ids) for turn in turns] == [4]
 
 
 def test_an_update_that_fails_part_way_leaves_an_engine_that_refuses_to_sample(engine, trainer_model, smollm2):
