@@ -7,8 +7,9 @@ with whatever presets and overrides come beside `--resume`, so a forgotten prese
 a changed setting that alters training is refused (naming the keys) unless the user passes
 `--allow-config-change`. A section whose kind changed (another loss.type, model.lora turned on or
 off) is recorded whole, so setting each recorded key replays exactly the config the run used; a
-resume whose record would not replay so is refused before anything is recorded. `resume` and
-`overwrite` belong to one invocation and are never recorded or replayed.
+resume whose record would not replay so is refused before anything is recorded, and so is one that
+turns model.lora on for a run that trained full weights. `resume` and `overwrite` belong to one
+invocation and are never recorded or replayed.
 """
 
 from __future__ import annotations
@@ -97,16 +98,31 @@ def run_config(run_dir: Path, sources: list[str] | None = None) -> RunConfig:
     return load_config(sources, before=run_sources(run_dir))
 
 
+def _refuse_adapters_over_full_weights(run_dir: Path, before: RunConfig, resumed: RunConfig) -> None:
+    """A run without adapters has trained its full weights, but HF generators and outside rollout
+    workers hold the base from model.path and get only the adapters: adapters over another base
+    could not be served, so a resume cannot turn them on (turning them off merges them, and goes on)."""
+    if before.model.lora is None and resumed.model.lora is not None:
+        raise ConfigError(
+            f"--resume: model.lora cannot be turned on for {run_dir}, whose checkpoints hold full weights (generators "
+            "and rollout workers hold the base from model.path and get only the adapters); export the run "
+            f"(meshrl export {run_dir} DIR) and start a new run with --model.path DIR --model.lora ...; "
+            "nothing was recorded"
+        )
+
+
 def resume_config(config: RunConfig, sources: list[str], allow_change: bool) -> tuple[RunConfig, dict[str, Any]]:
     """The config a `--resume` of `config.output_dir` trains with: the run's config so far, then
-    `sources` on top. Returns it with its changes against the run's config so far; refuses a change
-    that alters training unless `allow_change`, and one that would not replay from the record to
-    this very config. A directory without a record (no run yet) resumes nothing: `sources` alone."""
+    `sources` on top. Returns it with its changes against the run's config so far; refuses adapters
+    over full weights, a change that alters training unless `allow_change`, and one that would not
+    replay from the record to this very config. A directory without a record (no run yet) resumes
+    nothing: `sources` alone."""
     run_dir = Path(config.output_dir)
     if not (run_dir / RECORD).exists():
         return load_config(sources), {}
     so_far = run_sources(run_dir)
     before, resumed = load_config(before=so_far), load_config(sources, before=so_far)
+    _refuse_adapters_over_full_weights(run_dir, before, resumed)
     changes = changed(before, resumed)
     refused = [key for key in changes if alters_training(key)]
     if refused and not allow_change:

@@ -276,10 +276,8 @@ def train(config: RunConfig, changes: dict[str, Any] | None = None) -> Path:
         controller = starting(config, run, fresh_dir)
         if not (config.resume and run.record.exists()):
             write_atomic(run.record, to_toml(config))  # how the run started; a resume only appends its changes
-        latest = run.latest_checkpoint()
-        record_changes(run.root, changes or {}, latest.name if config.resume and latest else None)
         with StopSignals() as stop:
-            running(controller, stop)
+            running(controller, stop, changes or {})
         plot(run.root)
         if stop.received is not None and controller.step < config.max_steps:  # one in the last step: complete
             if run.latest_checkpoint() is None:  # stopped in the warm start
@@ -316,13 +314,16 @@ def starting(config: RunConfig, run: RunDir, fresh_dir: bool) -> Controller:
         raise
 
 
-def running(controller: Controller, stop: StopSignals) -> None:
+def running(controller: Controller, stop: StopSignals, changes: dict[str, Any]) -> None:
     """Spawn the meshes (their processes ignore Ctrl-C: it reaches the whole process group), resume or
-    warm start, train; the meshes are stopped however it ends."""
+    warm start, train; the meshes are stopped however it ends. A resume's config `changes` are recorded
+    once its checkpoint is restored: a restore that fails leaves the run's config as it was."""
     config, run = controller.config, controller.run
     try:
         controller.spawn()
         warm_from = controller.restore()
+        latest = run.latest_checkpoint()
+        record_changes(run.root, changes, latest.name if config.resume and latest else None)
         warm_steps = config.trainer.warm_start_steps
         purge_from = controller.step if warm_from is None else warm_from - warm_steps
         sinks = MetricSinks(config, run.root, purge_from if config.resume else None)

@@ -1,7 +1,8 @@
 """LoRA adapters (`model.lora`, through peft) in the trainer, on the tiny model and on
 SmolLM2-135M-Instruct: only they train, the reference is the base model with them off (exact
-against an explicit copy), checkpoints resume exactly, generators get the merged weights or the
-adapters alone, and the export carries the adapters in peft's format."""
+against an explicit copy), checkpoints resume exactly (and without adapters, from their merged
+weights and reference), generators get the merged weights or the adapters alone, and the export
+carries the adapters in peft's format."""
 
 from __future__ import annotations
 
@@ -158,6 +159,38 @@ def test_the_lora_reference_is_the_policy_rl_starts_from_and_resumes(tmp_path, d
     assert all(torch.equal(scored[0][k], scored[1][k]) for k in scored[0])
 
 
+def test_a_lora_checkpoint_resumes_without_adapters_from_its_merged_policy_and_reference(tmp_path, capsys):
+    """`model.lora` turned off on resume: the policy is the checkpoint's merged weights, AdamW starts
+    fresh (its saved state was the adapters') at trainer.lr, not the adapters' (the saved schedule's),
+    and the reference is the LoRA run's (the base with the frozen adapters) merged into full weights.
+    The load failed: the adapters' optimizer state does not fit full weights."""
+    args = [*LORA, "--loss.replay.weight", "0.5"]
+    config = load_config(args)
+    path = str(ensure_tiny(tmp_path / "model", config.model.tiny))
+    lora = TrainerCore(config, path)
+    steps(lora, 2)
+    lora.start_rl()  # the trained adapters become the reference: it is not the base
+    steps(lora, 1, seed=2)
+    lora.save(tmp_path / "ckpt")
+    full = TrainerCore(load_config([*args, "--model.lora", "null", "--trainer.lr", "1e-4"]), path)
+    full.load(tmp_path / "ckpt")
+    assert "AdamW starts fresh" in capsys.readouterr().out
+    merged, own = lora.weights(torch.float32), full.weights(torch.float32)
+    assert merged.keys() == own.keys() and all(torch.equal(own[name], value) for name, value in merged.items())
+    batch = dpo_batch(5, full.model.config.vocab_size)
+    chunk = config.model.logprob_chunk_size
+    lora_ref, full_ref = (c.ref_call(lambda model, b: reference_sums(model, b, chunk), batch) for c in (lora, full))
+    base = reference_sums(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), batch, chunk)
+    for key, value in lora_ref.items():
+        torch.testing.assert_close(full_ref[key], value, rtol=1e-5, atol=1e-5)  # merged against unmerged
+        assert not torch.allclose(base[key], value, rtol=0, atol=1e-3), key
+    vocab = full.model.config.vocab_size
+    for i in range(2):
+        metrics = full.train_step([[rl_batch(full.model, 3 + i)]], [dpo_batch(3 + i, vocab)], rl_tokens=10)
+        assert metrics["skipped_steps"] == 0 and metrics["lr"] == 1e-4, metrics
+    assert full.scheduler.last_epoch == lora.scheduler.last_epoch + 2
+
+
 MODULE_KINDS = {
     "linear": (QWEN_TIED, "all-linear"),  # SmolLM2 and the tiny Qwen3: every linear layer
     "experts and router": (["--model.tiny.family", "qwen3_moe", "--model.tiny.num_experts", "4"], "all-linear"),
@@ -170,7 +203,10 @@ def test_adapters_merged_match_peft_on_every_module_kind(kind, tmp_path):
     """`merged_state` (the trainer's merged weights) and `merge_adapters` with the plan an engine
     holding only the base builds (`lora_plan`: a vLLM generator or worker) give peft's own merge
     (`merge_and_unload`) of every adapted weight: linear layers, fused experts (peft wraps them
-    twice), the MoE router, the input embedding, an untied head; the rest stays the base's."""
+    twice), the MoE router, the input embedding, an untied head; the rest stays the base's. peft's
+    saved config of the adapters (a checkpoint's adapter/) plans the same."""
+    from peft import LoraConfig as PeftLoraConfig
+
     from meshrl.configs.schema import LoraConfig
     from meshrl.trainer.lora import adapted_weights, adapter_tensors, lora_plan, merge_adapters, merged_state
 
@@ -186,6 +222,8 @@ def test_adapters_merged_match_peft_on_every_module_kind(kind, tmp_path):
                 p.normal_()
     plan = adapted_weights(model)
     assert plan == lora_plan(path, lora)  # what the meta-device build of the same adapters plans
+    peft_model.peft_config["default"].save_pretrained(tmp_path / "adapter")  # as a checkpoint's adapter/
+    assert plan == lora_plan(path, PeftLoraConfig.from_pretrained(tmp_path / "adapter"))  # lora turned off on resume
     state = {k: v.clone() for k, v in model.state_dict().items()}
     merged = merge_adapters(base, adapter_tensors(state), plan)
     whole = merged_state(state, plan)

@@ -7,12 +7,13 @@ from __future__ import annotations
 import json
 import os
 import shlex
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from meshrl.cli.main import main
+from meshrl.cli.main import EXIT_CONFIG, main
 from meshrl.configs import ConfigError, RunConfig, load_config, run_record, to_toml
 from meshrl.configs.run_record import ALLOW_CHANGE as ALLOW
 from meshrl.configs.run_record import record_changes, resume_config, run_record_of, train_config
@@ -185,7 +186,10 @@ def test_resumes_that_swap_the_loss_replay_to_the_config_the_run_used(tmp_path, 
     assert _eval_config(out, monkeypatch).loss == tis.loss
 
 
-def test_resumes_that_turn_lora_off_and_on_again_replay_to_the_config_the_run_used(tmp_path, monkeypatch):
+def test_a_resume_that_turns_lora_off_replays_and_one_that_turns_it_on_again_is_refused(tmp_path, monkeypatch, capsys):
+    """Turning adapters on over a run's trained full weights is refused before anything is recorded,
+    in one line naming model.lora and the way out: HF generators and outside workers hold the base
+    from model.path and get only the adapters (it was recorded, and the trainer could not load)."""
     out = _recorded_run(tmp_path, "--model.lora", '{"r": 8, "lora_alpha": 16}')
     with pytest.raises(ConfigError, match=r"model.lora null \(the run's: \{"):
         _resume(out, "--model.lora", "null")
@@ -195,9 +199,38 @@ def test_resumes_that_turn_lora_off_and_on_again_replay_to_the_config_the_run_us
     assert entry["changes"] == {"model.lora": {"was": {"r": 8, "lora_alpha": 16.0, "lora_dropout": 0.0,
                                                        "target_modules": "all-linear"}, "now": None}}  # fmt: skip
     assert _resume(out) == off and _eval_config(out, monkeypatch).model.lora is None
-    on = _resume(out, "--model.lora.r", "4", ALLOW)
-    assert on.model.lora is not None and on.model.lora.r == 4 and on.model.lora.lora_alpha == 32.0
-    assert _resume(out) == on and _eval_config(out, monkeypatch).model.lora == on.model.lora
+    capsys.readouterr()
+    assert main(["train", "--output-dir", str(out), "--resume", "--model.lora.r", "4", ALLOW]) == EXIT_CONFIG
+    refusal = capsys.readouterr().err
+    assert refusal.count("\n") == 1 and "model.lora cannot be turned on" in refusal
+    assert f"meshrl export {out} DIR" in refusal and "--model.path DIR --model.lora" in refusal
+    assert len((out / "config_changes.jsonl").read_text().splitlines()) == 1  # nothing recorded
+    assert _resume(out) == off  # the command meshrl prints still continues the run
+
+
+def test_a_resumes_changes_are_recorded_once_its_checkpoint_is_restored(tmp_path, monkeypatch):
+    """A restore that fails (a checkpoint the changed config cannot continue) leaves the run's config as
+    it was: the changes were recorded before the trainers loaded the checkpoint."""
+    from meshrl.run import controller
+
+    def failing(why: str) -> Callable[..., None]:
+        def fail(*args: object) -> None:
+            raise RuntimeError(why)
+
+        return fail
+
+    out = _recorded_run(tmp_path)
+    monkeypatch.setattr(controller.Controller, "spawn", lambda self: None)  # no meshes
+    monkeypatch.setattr(controller.Controller, "restore", failing("restore failed"))
+    config, changes = train_config(["--output-dir", str(out), "--resume", "--trainer.lr", "1e-4", ALLOW])
+    with pytest.raises(RuntimeError, match="restore failed"):
+        controller.train(config, changes)
+    assert not (out / "config_changes.jsonl").exists()
+    monkeypatch.setattr(controller.Controller, "restore", lambda self: None)  # restored, then training fails
+    monkeypatch.setattr(controller.Controller, "train", failing("step failed"))
+    with pytest.raises(RuntimeError, match="step failed"):
+        controller.train(config, changes)
+    assert set(json.loads((out / "config_changes.jsonl").read_text())["changes"]) == {"trainer.lr"}
 
 
 @pytest.mark.parametrize(

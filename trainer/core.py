@@ -613,9 +613,12 @@ class TrainerCore:
         return self.writer.written(wait)
 
     def load(self, directory: str | Path) -> None:
-        """Every rank reads the checkpoint rank 0 wrote and keeps its own part."""
+        """Every rank reads the checkpoint rank 0 wrote and keeps its own part. A LoRA run's checkpoint
+        (`adapter/`) continues without adapters (`model.lora` turned off on resume) from its merged
+        weights, with a fresh AdamW and the LoRA run's reference merged into full weights."""
         directory = Path(directory)
         options = StateDictOptions(full_state_dict=True)
+        lora_off = self.adapters is None and (directory / "adapter").is_dir()
         if self.adapters is not None:  # the base is the run's model; the adapters are what trained
             from meshrl.trainer.lora import saved_adapters
 
@@ -625,16 +628,34 @@ class TrainerCore:
             saved = AutoModelForCausalLM.from_pretrained(directory / "model", dtype=torch.float32)
             set_model_state_dict(self.model, saved.state_dict(), options=options)
         state = torch.load(directory / "trainer.pt", weights_only=False)
-        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
-        self.scheduler.load_state_dict(state["scheduler"])
+        if lora_off:
+            self._restart_adamw(state["scheduler"]["last_epoch"])
+        else:
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
+            self.scheduler.load_state_dict(state["scheduler"])
         self.skipped_steps = state["skipped_steps"]
         self._islands_state = state.get("islands")
         self._restore_islands()
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
-        if isinstance(self.ref_call, FrozenAdapters) and state.get("reference_adapters") is not None:
-            self.ref_call.load(state["reference_adapters"])  # absent before they were saved: the base, as then
+        frozen = state.get("reference_adapters")  # absent before they were saved: the base, as then
+        if isinstance(self.ref_call, FrozenAdapters) and frozen is not None:
+            self.ref_call.load(frozen)
+        elif lora_off and self.ref_model is not None and not self.fixed_ref and frozen is not None:
+            from meshrl.trainer.lora import merged_reference  # the LoRA run's reference, as full weights
+
+            merged = merged_reference(self.model_path, directory / "adapter", frozen)
+            set_model_state_dict(self.ref_model, merged, options=options)
         if self.ref_model is not None and (directory / "reference").exists():
             reference = AutoModelForCausalLM.from_pretrained(directory / "reference", dtype=torch.float32)
             set_model_state_dict(self.ref_model, reference.state_dict(), options=options)
+
+    def _restart_adamw(self, step: int) -> None:
+        """After a LoRA checkpoint without adapters: its AdamW state was the adapters', so AdamW starts
+        fresh, and the schedule goes on at its step from trainer.lr (the saved schedule holds the
+        adapters' learning rate, far too high for full weights)."""
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(self.config), last_epoch=step - 1)
+        if self.rank == 0:
+            print("model.lora is off: AdamW starts fresh (the checkpoint's optimizer state was the LoRA adapters'), "
+                  "the learning-rate schedule goes on from trainer.lr", flush=True)  # fmt: skip

@@ -20,6 +20,7 @@ from torch import nn
 from meshrl.configs.schema import LoraConfig, RunConfig
 
 if TYPE_CHECKING:
+    from peft import LoraConfig as PeftLoraConfig
     from peft import PeftModel
 
 ADAPTER = "default"  # peft's name for a model's one adapter
@@ -32,14 +33,16 @@ def lora_generators(config: RunConfig) -> bool:
     return config.model.lora is not None and config.generator.backend == "hf"
 
 
-def add_lora(model: nn.Module, config: LoraConfig) -> PeftModel:
+def add_lora(model: nn.Module, config: LoraConfig | PeftLoraConfig) -> PeftModel:
     """Adapters injected into `model` (which then holds them: train through `model` itself); the
     PeftModel returned turns them off (`disable_adapter()`) and saves them in peft's format. The
-    adapters start as the identity (B = 0): an engine given them holds the base model until loaded."""
+    adapters start as the identity (B = 0): an engine given them holds the base model until loaded.
+    `config`: `model.lora`, or peft's own config of saved adapters (`adapter/`: it also holds what
+    peft derived, such as fused experts as `target_parameters`)."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
-    settings = PeftLoraConfig(
+    settings = config if isinstance(config, PeftLoraConfig) else PeftLoraConfig(
         r=config.r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
         target_modules=config.target_modules, task_type="CAUSAL_LM",
     )  # fmt: skip
@@ -115,7 +118,7 @@ def adapted_weights(model: nn.Module) -> list[AdaptedWeight]:
     return plan
 
 
-def lora_plan(model_path: str, config: LoraConfig) -> list[AdaptedWeight]:
+def lora_plan(model_path: str, config: LoraConfig | PeftLoraConfig) -> list[AdaptedWeight]:
     """`adapted_weights` of the model at `model_path` with `config`'s adapters, built on the meta
     device (no weights read): the start-up check, and the merge plan of an engine that holds only
     the base weights."""
@@ -146,6 +149,17 @@ def merge_adapters(
         delta = adapted.delta(adapters[adapted.a], adapters[adapted.b])
         merged[adapted.weight] = (weight.float() + delta).to(weight.dtype)
     return merged
+
+
+def merged_reference(model_path: str, adapter_dir: Path, frozen: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A LoRA run's reference (the base with its frozen adapters, `FrozenAdapters.state`) as a plain
+    model's full weights, for a resume with `model.lora` turned off: the base at `model_path` merged
+    with them, planned from the checkpoint's own adapter config (`adapter_dir`)."""
+    from peft import LoraConfig as PeftLoraConfig
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).state_dict()
+    return merge_adapters(base, frozen, lora_plan(model_path, PeftLoraConfig.from_pretrained(adapter_dir)))
 
 
 def peft_names(adapters: PeftModel, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
