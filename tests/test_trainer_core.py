@@ -204,3 +204,28 @@ def test_a_failed_background_write_is_raised_naming_the_checkpoint(tmp_path):
     with pytest.raises(RuntimeError, match="writing checkpoint .*taken/step_1 failed"):
         core.checkpoint_written(wait=True)
     assert core.checkpoint_written(wait=False)  # reported once; the next save starts clean
+
+
+def test_a_resume_trains_with_the_optimizer_settings_its_config_changed(tmp_path):
+    """`--trainer.lr` (betas, weight decay, the schedule) changed on resume with --allow-config-change
+    was recorded and then ignored: the checkpoint's param groups and scheduler brought the old ones
+    back. Unchanged, a resume's rate is the saved one exactly."""
+    args = [*QWEN_TIED, "--trainer.lr", "1e-3", "--trainer.warmup_steps", "4", "--max-steps", "10"]
+    config = load_config(args)
+    model_path = str(ensure_tiny(tmp_path / "model", config.model.tiny))
+    core = TrainerCore(config, model_path)
+    for seed in range(2):
+        core.train_step([[rl_batch(core.model, seed)]], [None], rl_tokens=10)
+    core.save(tmp_path / "ckpt")
+    same = TrainerCore(config, model_path)
+    same.load(tmp_path / "ckpt")
+    assert (
+        same.train_step([[rl_batch(core.model, 2)]], [None], 10)["lr"]
+        == core.train_step([[rl_batch(core.model, 2)]], [None], 10)["lr"]
+    )
+    changed = TrainerCore(load_config([*args, "--trainer.lr", "1e-2", "--trainer.weight_decay", "0.5",
+                                       "--trainer.betas", "[0.5, 0.9]"]), model_path)  # fmt: skip
+    changed.load(tmp_path / "ckpt")
+    group = changed.optimizer.param_groups[0]
+    assert group["weight_decay"] == 0.5 and tuple(group["betas"]) == (0.5, 0.9)
+    assert changed.train_step([[rl_batch(core.model, 2)]], [None], 10)["lr"] == pytest.approx(1e-2 * 3 / 4)

@@ -628,11 +628,12 @@ class TrainerCore:
             saved = AutoModelForCausalLM.from_pretrained(directory / "model", dtype=torch.float32)
             set_model_state_dict(self.model, saved.state_dict(), options=options)
         state = torch.load(directory / "trainer.pt", weights_only=False)
-        if lora_off:
-            self._restart_adamw(state["scheduler"]["last_epoch"])
-        else:
+        if not lora_off:
             set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
-            self.scheduler.load_state_dict(state["scheduler"])
+        elif self.rank == 0:  # its AdamW state was the adapters'
+            print("model.lora is off: AdamW starts fresh (the checkpoint's optimizer state was the LoRA adapters')",
+                  flush=True)  # fmt: skip
+        self._schedule_from(state["scheduler"]["last_epoch"])
         self.skipped_steps = state["skipped_steps"]
         self._islands_state = state.get("islands")
         self._restore_islands()
@@ -651,11 +652,13 @@ class TrainerCore:
             reference = AutoModelForCausalLM.from_pretrained(directory / "reference", dtype=torch.float32)
             set_model_state_dict(self.ref_model, reference.state_dict(), options=options)
 
-    def _restart_adamw(self, step: int) -> None:
-        """After a LoRA checkpoint without adapters: its AdamW state was the adapters', so AdamW starts
-        fresh, and the schedule goes on at its step from trainer.lr (the saved schedule holds the
-        adapters' learning rate, far too high for full weights)."""
+    def _schedule_from(self, step: int) -> None:
+        """AdamW's settings and the learning-rate schedule as the config gives them, at the checkpoint's
+        step: the checkpoint's param groups and scheduler hold the settings it trained with, so a resume
+        that changed trainer.lr, betas, weight_decay or the schedule (--allow-config-change) recorded the
+        change and trained as before; and a LoRA run resumed without adapters would keep the adapters'
+        learning rate, far too high for full weights. Unchanged, the rate is the same exactly."""
+        t = self.config.trainer
+        for group in self.optimizer.param_groups:
+            group.update(initial_lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(self.config), last_epoch=step - 1)
-        if self.rank == 0:
-            print("model.lora is off: AdamW starts fresh (the checkpoint's optimizer state was the LoRA adapters'), "
-                  "the learning-rate schedule goes on from trainer.lr", flush=True)  # fmt: skip
