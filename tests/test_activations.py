@@ -9,12 +9,10 @@ from transformers import AutoModelForCausalLM
 
 from meshrl.configs import load_config
 from meshrl.loss_adapters.logprobs import sequence_token_logprobs
-from meshrl.models.gguf import ensure_gguf
 from meshrl.models.tiny import ensure_tiny
 from meshrl.trainer.activations import checkpointed_layers
 from meshrl.trainer.attention import WINDOW_BLOCK, use_document_attention
 from meshrl.trainer.core import TrainerCore
-from tests.test_gguf import SMOLLM2
 from tests.test_moe import MOE
 from tests.test_trainer import dpo_batch, rl_batch, sdpo_batch
 from tests.test_trainer_core import QWEN_TIED
@@ -29,10 +27,10 @@ SHAPES = {
 
 
 @pytest.fixture(scope="module")
-def paths(tmp_path_factory) -> dict[str, str]:
+def paths(tmp_path_factory, smollm2_dir) -> dict[str, str]:
     root = tmp_path_factory.mktemp("models")
     out = {name: str(ensure_tiny(root / name, load_config(args).model.tiny)) for name, args in SHAPES.items()}
-    out["smollm2"] = str(ensure_gguf(SMOLLM2, root / "smollm2"))
+    out["smollm2"] = str(smollm2_dir)
     return out
 
 

