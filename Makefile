@@ -35,10 +35,11 @@ setup: $(VENV)/.installed
 train: $(VENV)/.installed
 	$(BIN)/meshrl train @ configs/local.toml
 
-# Test modules spread over one xdist worker per core; the suite starts ~80 Python processes,
-# so the bytecode of what they import is cached (even where the environment turns that off).
+# Test modules spread over one xdist worker per core, the heaviest first (tests/conftest.py orders
+# them; xdist would reorder them by test count); the suite starts ~80 Python processes, so the
+# bytecode of what they import is cached (even where the environment turns that off).
 test: $(VENV)/.installed
-	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n auto --dist loadscope --durations=25
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n auto --dist loadscope --no-loadscope-reorder --durations=25
 
 test-fast: $(VENV)/.installed
 	$(BIN)/python -m pytest -q --durations=10 $(FAST)

@@ -28,9 +28,16 @@ if _WORKERS > 1:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests that start Monarch meshes run first (`make test` spreads modules over two xdist
-    workers): the long runs begin at once and the quick tests fill in around them."""
-    items.sort(key=lambda item: "mesh" not in item.keywords)  # stable: file order otherwise
+    """Modules that start Monarch meshes run first, then modules with slow tests, then the rest, each
+    in file order (`make test` hands whole modules to two xdist workers in this order): the long ones
+    begin at once and the quick ones fill in around them. xdist's own order, by test count, sent
+    the heaviest modules last, and one worker ran them alone for the suite's last minute."""
+    rank: dict[str, int] = {}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        kind = 0 if "mesh" in item.keywords else 1 if "slow" in item.keywords else 2
+        rank[module] = min(rank.get(module, 2), kind)
+    items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])  # stable: file order otherwise
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

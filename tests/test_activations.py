@@ -56,6 +56,7 @@ def _gradients(core: TrainerCore) -> tuple[dict[str, torch.Tensor], dict[str, fl
     return grads, metrics
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "shape, mode",
     [(shape, mode) for shape in ("qwen3", "moe", "lora") for mode in ("full", "selective")] + [("llama", "full")],
@@ -87,6 +88,7 @@ def test_checkpointed_layers_give_the_unchecked_gradients(paths, shape, mode):
         assert checked.router.tokens == counted > 0
 
 
+@pytest.mark.slow
 def test_offloaded_checkpoints_give_the_same_gradients(paths):
     args = [*QWEN_TIED, *CHANNELS]
     expected, _ = _gradients(TrainerCore(load_config(args), paths["qwen3"]))

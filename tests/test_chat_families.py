@@ -217,6 +217,7 @@ def episode(request, tmp_path_factory):
     return request.param, family, episodes, expected, sampled_episode(engine, episodes), engine
 
 
+@pytest.mark.slow
 def test_the_episode_is_the_sampled_ids_plus_the_tool_turns(episode):
     name, family, episodes, expected, rollout, _ = episode
     tok = episodes.tokenizer

@@ -106,6 +106,7 @@ CHEATS = {
 }  # fmt: skip
 
 
+@pytest.mark.slow
 def test_every_family_s_oracle_answer_passes_and_every_cheat_scores_0(task):
     families = one_per_family(task)
     assert len(families) == sum(len(f) for f in FAMILIES.values())  # every family is among 300 exercises

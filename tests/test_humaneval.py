@@ -46,6 +46,7 @@ def _diagnosis(task: HumanEvalTask, task_id: str) -> str:
     return f"again: parsed {results is not None}, passes {passes}; {run.report()[:1500]}"
 
 
+@pytest.mark.slow
 def test_every_canonical_solution_passes_and_a_wrong_answer_fails(task):
     def check(task_id: str) -> tuple[float, float]:
         problem = task.problems[task_id]

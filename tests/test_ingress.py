@@ -431,6 +431,7 @@ def worked_offers(h: Harness, worker: RolloutWorker, groups: int) -> list:
     return accepted
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "spec,dtype,temperature",
     [(LLAMA, "float32", 1.0), (QWEN3, "bfloat16", 0.8)],

@@ -31,6 +31,8 @@ from meshrl.tasks.repo.task import WALK_LIMITS, RepoFixTask
 from tests.e2e import REPO
 from tests.test_repo_fix import answered, assistant, fix, score
 
+pytestmark = pytest.mark.slow  # a build of 9 modules first (~25 s), then each cheat in the sandbox
+
 SANDBOX = {"backend": "bwrap", "pool_size": 4, "wall_time_s": 20.0, "cpu_time_s": 10, "files": 512}
 MODULES = ["colorsys", "shlex", "getopt", "fractions", "string", "base64"]
 HELD_OUT = ["graphlib", "netrc"]

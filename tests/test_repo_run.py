@@ -9,7 +9,10 @@ from __future__ import annotations
 import json
 import subprocess
 
+import pytest
 from e2e import MESHRL, REPO, records
+
+pytestmark = pytest.mark.mesh  # whole `meshrl` runs
 
 PYPI = {"repo": str(REPO / ".venv" / "share" / "meshrl-sources" / "more-itertools-10.5.0.tar.gz"),
         "module": "more_itertools/recipes.py", "tests": "tests/test_recipes.py"}  # fmt: skip

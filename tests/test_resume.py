@@ -16,9 +16,12 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 from e2e import ENV, MESHRL, REPO, SMALL, records, train
 
 STEPS = 8  # the SIGKILL needs a prompt draw after step_4's checkpoint is complete: step 7's, once step_6's is taken
+pytestmark = pytest.mark.mesh  # whole `meshrl` runs
+
 DETERMINISTIC = ["@", str(REPO / "configs" / "deterministic.toml"), "--max-steps", str(STEPS), "--ckpt.interval", "2",
                  "--trainer.warm-start-steps", "6", "--trainer.warm-start-batch-size", "4"]  # fmt: skip
 TIMING = ("time/", "_per_s", "/seconds")  # what differs between two runs of the same computation

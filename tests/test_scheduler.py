@@ -121,6 +121,7 @@ def multi_turn(poll_model):
     return groups, sched.stats
 
 
+@pytest.mark.slow
 def test_turns_prefill_only_new_ids_and_logprobs_match_a_full_forward(poll_model, multi_turn):
     groups, stats = multi_turn
     rollouts = [r for g in groups for r in g.rollouts]

@@ -242,6 +242,7 @@ def next_version(model, scale: float = 0.02, seed: int = 0) -> dict[str, torch.T
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.slow
 def test_sampled_and_greedy_tokens_carry_the_trainers_logprobs(engine, trainer_model):
     sampled = engine.generate(PROMPTS, temperature=0.7, top_p=1.0, max_new_tokens=16, seed=1)
     assert sampled == engine.generate(PROMPTS, temperature=0.7, top_p=1.0, max_new_tokens=16, seed=1)
@@ -254,6 +255,7 @@ def test_sampled_and_greedy_tokens_carry_the_trainers_logprobs(engine, trainer_m
         assert logits[len(turn.prompt_ids) - 1 : -1].argmax(-1).tolist() == turn.completion_ids
 
 
+@pytest.mark.slow
 def test_an_update_is_refused_whole_when_a_weight_is_missing_or_misshapen(engine, trainer_model):
     weights = {k: v.clone() for k, v in trainer_model.state_dict().items()}
     missing = {k: v for k, v in weights.items() if k != "model.layers.3.mlp.up_proj.weight"}
@@ -271,6 +273,7 @@ def test_an_update_is_refused_whole_when_a_weight_is_missing_or_misshapen(engine
     )
 
 
+@pytest.mark.slow
 def test_an_update_mid_turn_stamps_each_token_and_a_new_version_never_reuses_old_cache(engine, trainer_model):
     """Two turns decode while version 1 lands: their tokens carry the version that sampled them.
     Afterwards a prompt seen under version 0 is scored by version 1 (the cache salt), tied head
@@ -310,6 +313,7 @@ def qwen3_episode(tmp_path_factory):
     return expected, rollout, AutoModelForCausalLM.from_pretrained(path).eval()
 
 
+@pytest.mark.slow
 def test_a_tool_episode_on_a_real_template_is_the_sampled_ids_and_the_tool_turns(qwen3_episode):
     expected, rollout, model = qwen3_episode
     assert rollout.turns == 3 and rollout.tool_errors == 1 and rollout.reward == 1.0
@@ -321,6 +325,7 @@ def test_a_tool_episode_on_a_real_template_is_the_sampled_ids_and_the_tool_turns
     torch.testing.assert_close(got, scored, rtol=0, atol=1e-3)  # later turns prefilled from the prefix cache
 
 
+@pytest.mark.slow
 def test_an_outside_rollout_worker_on_vllm_is_never_rejected(tmp_path):
     """`meshrl rollout-worker --backend vllm`: a `RolloutWorker` fetching spec and weights over the
     wire samples on vLLM's CPU build; the controller's verifier re-scores every sampled token with
@@ -348,6 +353,7 @@ def moe_on_vllm(path: str) -> tuple[float, float, bool]:
     return first, worst_gap(model, after, 1.0), after != before
 
 
+@pytest.mark.slow
 def test_a_mixture_of_experts_samples_the_trainers_logprobs_before_and_after_an_update(tmp_path):
     """The tiny Qwen3-MoE shape on vLLM's CPU build (its fused-MoE path): the sampled tokens'
     logprobs are the trainer's HF model's, routing included (the R3 problem), before and after a
@@ -363,6 +369,7 @@ def test_a_mixture_of_experts_samples_the_trainers_logprobs_before_and_after_an_
     assert before < 1e-4 and after < 1e-4 and changed, (before, after, changed)
 
 
+@pytest.mark.slow
 def test_vllm_logs_warnings_alone_by_default_and_a_tied_heads_sync_no_failed_layers(tmp_path, monkeypatch):
     """generator.vllm_log_level's default, 'warning': a tiny tied-head model's engine start and
     weight sync log no vLLM record below WARNING (21 INFO lines before) and no "Failed to load
@@ -393,6 +400,7 @@ def test_vllm_logs_warnings_alone_by_default_and_a_tied_heads_sync_no_failed_lay
     assert any(r.levelno == logging.INFO for r in records)
 
 
+@pytest.mark.slow
 def test_a_seeded_prompt_longer_than_a_steps_token_budget_samples_on_the_cpu_build(tmp_path):
     """A 5,000-token prompt outgrows the CPU build's default step budget (4,096 tokens): chunked, the
     seeded request's partial prefill failed ("CPU Generator does not use offset"); it is prefilled whole.
@@ -404,6 +412,7 @@ def test_a_seeded_prompt_longer_than_a_steps_token_budget_samples_on_the_cpu_bui
     assert [len(turn.completion_ids) for turn in turns] == [4]
 
 
+@pytest.mark.slow
 def test_an_update_that_fails_part_way_leaves_an_engine_that_refuses_to_sample(engine, trainer_model, smollm2):
     """A weight that cannot be read (a transfer that left it unmaterialised) halfway through the
     layers: the engine raises, keeps its version, and samples nothing more, rather than serve a
