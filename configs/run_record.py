@@ -98,16 +98,25 @@ def run_config(run_dir: Path, sources: list[str] | None = None) -> RunConfig:
     return load_config(sources, before=run_sources(run_dir))
 
 
-def _refuse_adapters_over_full_weights(run_dir: Path, before: RunConfig, resumed: RunConfig) -> None:
+def _refuse_adapter_switches(run_dir: Path, before: RunConfig, resumed: RunConfig) -> None:
     """A run without adapters has trained its full weights, but HF generators and outside rollout
     workers hold the base from model.path and get only the adapters: adapters over another base
-    could not be served, so a resume cannot turn them on (turning them off merges them, and goes on)."""
+    could not be served, so a resume cannot turn them on (turning them off merges them, and goes on).
+    An island cannot turn them off either: the islands' DiLoCo outer state is the adapters alone,
+    and the other islands go on averaging adapters with it."""
     if before.model.lora is None and resumed.model.lora is not None:
         raise ConfigError(
             f"--resume: model.lora cannot be turned on for {run_dir}, whose checkpoints hold full weights (generators "
             "and rollout workers hold the base from model.path and get only the adapters); export the run "
             f"(meshrl export {run_dir} DIR) and start a new run with --model.path DIR --model.lora ...; "
             "nothing was recorded"
+        )
+    island = resumed.trainer.diloco.replica_id
+    if before.model.lora is not None and resumed.model.lora is None and island is not None:
+        raise ConfigError(
+            f"--resume: model.lora cannot be turned off for island {island!r} ({run_dir}): the islands' outer "
+            "state is the adapters alone, and the other islands go on averaging adapters with it; resume it "
+            "with its adapters, or export the run and start new islands from the export; nothing was recorded"
         )
 
 
@@ -122,7 +131,7 @@ def resume_config(config: RunConfig, sources: list[str], allow_change: bool) -> 
         return load_config(sources), {}
     so_far = run_sources(run_dir)
     before, resumed = load_config(before=so_far), load_config(sources, before=so_far)
-    _refuse_adapters_over_full_weights(run_dir, before, resumed)
+    _refuse_adapter_switches(run_dir, before, resumed)
     changes = changed(before, resumed)
     refused = [key for key in changes if alters_training(key)]
     if refused and not allow_change:

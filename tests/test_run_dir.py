@@ -208,6 +208,16 @@ def test_a_resume_that_turns_lora_off_replays_and_one_that_turns_it_on_again_is_
     assert _resume(out) == off  # the command meshrl prints still continues the run
 
 
+def test_an_island_cannot_turn_its_adapters_off_on_resume(tmp_path):
+    """The islands' DiLoCo outer state is the adapters alone, and the other islands go on averaging
+    adapters: an island resumed without them is refused, naming it, before anything is recorded."""
+    out = _recorded_run(tmp_path, "--model.lora", '{"r": 8}', "--trainer.diloco.replica_id", "a",
+                        "--trainer.diloco.lighthouse", "http://localhost:29510")  # fmt: skip
+    with pytest.raises(ConfigError, match=r"model.lora cannot be turned off for island 'a'"):
+        _resume(out, "--model.lora", "null", ALLOW)
+    assert not (out / "config_changes.jsonl").exists()
+
+
 def test_a_resumes_changes_are_recorded_once_its_checkpoint_is_restored(tmp_path, monkeypatch):
     """A restore that fails (a checkpoint the changed config cannot continue) leaves the run's config as
     it was: the changes were recorded before the trainers loaded the checkpoint."""
