@@ -59,6 +59,27 @@ METRICS: dict[str, dict[str, str]] = {
         "rubric/<component>": "Mean of one reward term of the task's rubric (scoring tasks: verifiers, HumanEval).",
         "task_metric/<metric>": "Mean of an observation the task logs beside its reward (scoring tasks).",
     },
+    "Episodes (turns, tool calls, length)": {
+        "episode/turns": "Mean assistant turns per fresh rollout.",
+        "episode/tool_calls": "Mean tool calls per fresh rollout (the calls its assistant turns made).",
+        "episode/tokens": "Mean tokens of a fresh rollout as sampled end to end: its prompt, every sampled turn "
+        "and every tool turn, an elided tool result counted at its full size (the length it would have had "
+        "without elision).",
+        "episode/tokens_max": "The longest fresh rollout's episode/tokens.",
+        "episode/elided_tokens": "Mean tokens elision took out of a fresh rollout's context (its elided tool "
+        "results less the markers that replaced them; 0 for a rollout that elided nothing): episode/tokens "
+        "less this is the mean final context.",
+        "episode/version_spread": "Mean over fresh rollouts of (newest − oldest) policy version among its sampled "
+        "tokens: how many weight updates landed while it was sampled.",
+        "episode/version_spread_max": "The step's largest episode/version_spread.",
+        "tool_errors/turn_<bin>": "Tool results that were errors, summed over the step's fresh rollouts, by the "
+        "1-based index of the assistant turn whose call they answered, in log2 bins: 1, 2, 3-4, 5-8, 9-16, "
+        "17-32, 33+. A bin appears on a step where some rollout made tool calls at a turn in it (0: calls "
+        "there, none erred; absent: no calls there).",
+        "success/horizon_<h>": "Tasks that set a horizon (prompt info 'horizon', an int: e.g. the tool-call hops "
+        "it takes): fraction of the fresh rollouts of horizon h with full reward (≥ 1).",
+        "rollouts/horizon_<h>": "Tasks that set a horizon: the fresh rollouts of horizon h the step trained on.",
+    },
     "Throughput and time": {
         "rollout_tokens_per_s": "Sampled tokens of the fresh rollouts per second of time/generate.",
         "train_tokens_per_s": "RL loss-mask tokens (all ranks) per second of time/train (null on a step that "

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from meshrl.rollouts.batches import RlShards
+from meshrl.rollouts.episode_stats import episode_stats
 from meshrl.rollouts.episodes import Rollout, fresh_rollouts, reasoning_stats, rubric_means
 from meshrl.traces.collator import CollateStats
 
@@ -90,6 +91,7 @@ def step_record(f: StepFacts) -> dict[str, Any]:
         "rollouts/budget_ended": sum(r.budget_ended for r in f.fresh),
         "rollouts/cut_off_masked": f.rl.cut_off,
         "rollouts/elided": sum(bool(r.earlier) for r in f.fresh),
+        **episode_stats(f.fresh),
         "groups/uninformative": f.uninformative,
         "groups/refilled": f.refilled,
         **f.trainer,

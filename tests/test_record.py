@@ -56,6 +56,23 @@ def test_the_record_says_what_the_step_was():
     assert record["time/weight_sync"] == 0.2 and record["collate/dpo_open_reasoning"] == 0
 
 
+def test_the_record_says_what_the_step_s_episodes_did():
+    """`episode_stats` over the fresh rollouts (tests/test_episode_stats.py has the figures): every
+    family present here is in the glossary, and a task without a horizon logs no success by it."""
+    call = {"role": "assistant", "content": "", "tool_calls": [{"id": "c0"}]}
+    erring = _rollout(1.0, [3, 4])
+    erring.messages, erring.turns = [*PROMPT.messages, call, {"role": "tool", "content": "e", "is_error": True}], 2
+    erring.prompt = Prompt("p1", PROMPT.messages, info={"horizon": 4})
+    record = step_record(_facts(fresh=[erring, _rollout(0.0, [4])]))
+    assert [key for key in record if meaning(key) is None] == []
+    assert (record["episode/turns"], record["episode/tool_calls"], record["episode/tokens"]) == (1.0, 0.5, 1.5)
+    assert (record["episode/version_spread"], record["episode/version_spread_max"]) == (0.5, 1)
+    assert (record["tool_errors/turn_1"], record["success/horizon_4"], record["rollouts/horizon_4"]) == (1, 1.0, 1)
+    plain = step_record(_facts())
+    assert plain["episode/tool_calls"] == 0.0
+    assert not [key for key in plain if key.startswith(("tool_errors/", "success/", "rollouts/horizon"))]
+
+
 def test_a_rollout_that_ended_on_its_budget_is_cut_off_and_counted_apart():
     ended = _rollout(0.0, [4])
     ended.stop_condition, ended.finish_reason = PROMPT_TOO_LONG, "length"  # its last turn had finished
