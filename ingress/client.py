@@ -20,7 +20,7 @@ import zmq
 from safetensors.torch import load as load_safetensors
 
 from meshrl.ingress.keys import load_pair, load_public
-from meshrl.ingress.protocol import Episode, GroupResult, Lease, Reply, Spec, Verdict
+from meshrl.ingress.protocol import Context, Episode, GroupResult, Lease, Reply, Spec, Verdict
 from meshrl.rollouts.episodes import Rollout
 
 AUTH_FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -47,6 +47,7 @@ def to_episode(rollout: Rollout) -> Episode:
         token_ids=rollout.token_ids, loss_mask=rollout.loss_mask, logprobs=rollout.logprobs,
         versions=rollout.versions, messages=rollout.messages, finish_reason=rollout.finish_reason,
         reward=float(rollout.reward if rollout.reward is not None else 0.0),
+        earlier=[Context(**vars(segment)) for segment in rollout.earlier], elided=sorted(rollout.elided),
     )  # fmt: skip
 
 

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
 
 MAX_GROUPS = 64  # per lease or submit request
+MAX_CONTEXTS = (
+    256  # earlier contexts per episode; each holds a sampled turn, so the verifier bounds them by the task's max_turns
+)
 
 
 class Message(BaseModel):
@@ -44,17 +47,32 @@ class LeaseRequest(Message):
     n: int = Field(ge=0, le=MAX_GROUPS)
 
 
-class Episode(Message):
-    """One sampled episode as the worker's `Rollout` holds it, plus the reward it claims: the task's
-    reward on the prompt as leased (without the hidden answer, which the controller alone holds)."""
+class Context(Message):
+    """A context an episode was sampled in (`rollouts.episodes.Segment`): its ids, which of them
+    were sampled in it, and their logprobs."""
 
     token_ids: list[int]
     loss_mask: list[bool]
     logprobs: list[float]  # the sampler's, 0 off the mask
-    versions: list[int]  # one per sampled token
-    messages: list[dict[str, Any]]
+
+
+class Episode(Context):
+    """One sampled episode as the worker's `Rollout` holds it, plus the reward it claims: the task's
+    reward on the prompt as leased (without the hidden answer, which the controller alone holds).
+    Its own ids are the context it ended in; an episode that elided tool results
+    (`generator.context_policy = "elide"`) also sends the contexts it left behind and which messages
+    it elided, each of which the verifier rebuilds."""
+
+    versions: list[int]  # one per sampled token, over every context in order
+    messages: list[dict[str, Any]]  # as sampled and answered: none elided
     finish_reason: Literal["stop", "length"]
     reward: float
+    earlier: list[Context] = Field(default_factory=list, max_length=MAX_CONTEXTS)  # oldest first
+    elided: list[NonNegativeInt] = Field(default_factory=list)  # indices in `messages`, ascending
+
+    def contexts(self) -> list[Context]:
+        """Every context the episode was sampled in, oldest first: the earlier ones, then its own."""
+        return [*self.earlier, self]
 
 
 class GroupResult(Message):
@@ -89,6 +107,7 @@ class Spec(Message):
     model_files: dict[str, str]  # file name -> base64 content
     max_episode_tokens: int  # an episode's token budget (`rollouts.episodes.EpisodeLimits`)
     max_tool_result_tokens: int  # a tool turn's
+    context_policy: Literal["cut", "elide"] = "cut"  # generator.context_policy: an episode past its budget
     lora: dict[str, Any] | None = None  # model.lora's settings: versions are adapters on the base model
     vllm_log_level: Literal["debug", "info", "warning", "error", "critical"] = "warning"  # a vLLM worker's
 

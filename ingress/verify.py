@@ -12,6 +12,11 @@ claimed behaviour logprobs differ from the recomputed ones by more than `toleran
 absolute difference, nats) is rejected. What the worker cannot forge without being caught is
 then: which prompt it answered, what the tools said, the reward trained on, and (up to the tolerance,
 for the tokens checked) the logprobs the trainer's importance ratios use.
+
+An episode that elided tool results (`generator.context_policy = "elide"`) is rebuilt the same way:
+the controller's `EpisodeFormat` elides where the run's budget makes it, so each submitted context
+must end where the rule elides and the next must start as the shorter context it builds; the
+elided messages must be the rule's, and each context's logprobs are re-scored as a row of its own.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +37,9 @@ from safetensors.torch import load_file
 
 from meshrl.inference.completion import Completion
 from meshrl.inference.hf_engine import HFEngine
-from meshrl.ingress.protocol import Episode
+from meshrl.ingress.protocol import Context, Episode
 from meshrl.loss_adapters.logprobs import sequence_token_logprobs
-from meshrl.rollouts.episodes import EpisodeFormat, Rollout
+from meshrl.rollouts.episodes import EpisodeFormat, Rollout, Segment
 from meshrl.tasks.base import Prompt, ToolResult
 
 REWARD_ATOL = 1e-6
@@ -51,8 +57,34 @@ class Rejected(Exception):
 class VerifyStats:
     checked_tokens: int = 0
     seconds: float = 0.0
-    max_accepted_diff: float = 0.0  # the largest mean |Δ logprob| of an accepted episode
-    diffs: deque[float] = field(default_factory=lambda: deque(maxlen=100_000))  # mean |Δ| of re-scored episodes
+    max_accepted_diff: float = 0.0  # the largest mean |Δ logprob| of an accepted episode (context)
+    diffs: deque[float] = field(default_factory=lambda: deque(maxlen=100_000))  # mean |Δ| of re-scored contexts
+
+
+@dataclass
+class _Cursor:
+    """How far a replay has read a submission: token `pos` of its context `k`, after `sampled` sampled tokens."""
+
+    contexts: list[Context]
+    pos: int
+    k: int = 0
+    sampled: int = 0
+
+    @property
+    def context(self) -> Context:
+        return self.contexts[self.k]
+
+    def where(self) -> str:
+        return f"token {self.pos}" + (f" of context {self.k}" if len(self.contexts) > 1 else "")
+
+
+@dataclass
+class _Row:
+    """A context of an episode as the trainer gets it (a row): what `Verifier.rescore` checks."""
+
+    name: str  # "episode I" (or "episode I context K", of an episode that elided tool results)
+    segment: Segment
+    versions: list[int]  # of its sampled tokens
 
 
 class Scorer:
@@ -120,19 +152,24 @@ class Verifier:
     def replay(self, prompt: Prompt, ep: Episode, min_version: int, newest: int) -> Rollout:
         """Rebuild the episode from its sampled turns; every other token is derived here."""
         self._check_tokens(ep, min_version, newest)
-        mask, ids = ep.loss_mask, ep.token_ids
         rollout = self.format.start(prompt)
-        pos = len(rollout.token_ids)
-        if ids[:pos] != rollout.token_ids or any(mask[:pos]):
+        at = _Cursor(ep.contexts(), len(rollout.token_ids))
+        if not _starts_with(at.context, rollout.token_ids):
             raise Rejected(
                 "prompt_mismatch", "the first tokens are not the leased prompt as the chat template renders it"
             )
         try:
-            pos = self._replay_turns(ep, rollout, pos)
+            self._replay_turns(ep, rollout, at)
         finally:
             self.format.end(rollout)  # an `Episodic` task's state, if its tools were answered here
-        if pos != len(ids):
-            raise Rejected("bad_tokens", f"{len(ids) - pos} tokens after the episode ended")
+        if at.k + 1 != len(at.contexts):
+            raise Rejected("elision_mismatch", f"the episode ends in context {at.k} of the {len(at.contexts)} sent")
+        if at.pos != len(at.context.token_ids):
+            raise Rejected("bad_tokens", f"{len(at.context.token_ids) - at.pos} tokens after the episode ended")
+        if ep.elided != sorted(rollout.elided):
+            raise Rejected(
+                "elision_mismatch", f"elided messages {ep.elided}, the budget elides {sorted(rollout.elided)}"
+            )
         if ep.finish_reason != rollout.finish_reason:
             raise Rejected(
                 "bad_tokens", f"finish_reason {ep.finish_reason!r}, the tokens say {rollout.finish_reason!r}"
@@ -150,35 +187,58 @@ class Verifier:
             )
         return rollout
 
-    def _replay_turns(self, ep: Episode, rollout: Rollout, pos: int) -> int:
-        """Add the episode's turns from token `pos` on, checking each; returns where they end."""
-        mask, ids = ep.loss_mask, ep.token_ids
-        sampled = 0
+    def _replay_turns(self, ep: Episode, rollout: Rollout, at: _Cursor) -> None:
+        """Add the episode's turns from the cursor on, checking each, until the episode ends; where
+        the budget elides tool results, the replay goes on in the next submitted context."""
         while True:
-            end = pos
-            while end < len(ids) and mask[end]:
-                end += 1
-            turn = ids[pos:end]
-            if not turn:
-                raise Rejected("bad_tokens", f"a sampled turn should start at token {pos}")
-            if len(turn) > self.max_new_tokens or any(t in self.stops for t in turn[:-1]):
-                raise Rejected("bad_tokens", f"the turn at token {pos} runs past a stop token or max_new_tokens")
-            finish = "stop" if turn[-1] in self.stops else "length"
-            if finish == "length" and len(turn) != self.max_new_tokens:
-                raise Rejected("bad_tokens", f"the turn at token {pos} ends without a stop token before max_new_tokens")
-            versions = ep.versions[sampled : sampled + len(turn)]
-            sampled += len(turn)
-            calls = self.format.add_turn(rollout, Completion([], turn, ep.logprobs[pos:end], finish, versions))
-            pos = end
-            if calls:
-                results = self._tool_results(rollout, calls, ep)
-                tool_ids = self.format.add_tool_results(rollout, calls, results)
-                if ids[pos : pos + len(tool_ids)] != tool_ids or any(mask[pos : pos + len(tool_ids)]):
-                    raise Rejected("tool_mismatch", f"the tool turn at token {pos} is not what the task's tools answer")
-                pos += len(tool_ids)
+            calls = self._replay_turn(ep, rollout, at)
+            contexts = len(rollout.earlier)
             if not self.format.goes_on(rollout, calls):
-                break
-        return pos
+                return
+            if len(rollout.earlier) != contexts:
+                self._next_context(rollout, at)
+
+    def _replay_turn(self, ep: Episode, rollout: Rollout, at: _Cursor) -> list[dict[str, Any]]:
+        """Add the sampled turn at the cursor, and the tool turn answering it; returns its tool calls."""
+        ids, mask, pos = at.context.token_ids, at.context.loss_mask, at.pos
+        end = pos
+        while end < len(ids) and mask[end]:
+            end += 1
+        turn = ids[pos:end]
+        if not turn and end == len(ids) and at.k + 1 < len(at.contexts):
+            raise Rejected("elision_mismatch", f"the context ends at {at.where()}, where the budget elides nothing")
+        if not turn:
+            raise Rejected("bad_tokens", f"a sampled turn should start at {at.where()}")
+        if len(turn) > self.max_new_tokens or any(t in self.stops for t in turn[:-1]):
+            raise Rejected("bad_tokens", f"the turn at {at.where()} runs past a stop token or max_new_tokens")
+        finish = "stop" if turn[-1] in self.stops else "length"
+        if finish == "length" and len(turn) != self.max_new_tokens:
+            raise Rejected("bad_tokens", f"the turn at {at.where()} ends without a stop token before max_new_tokens")
+        versions = ep.versions[at.sampled : at.sampled + len(turn)]
+        at.sampled += len(turn)
+        calls = self.format.add_turn(rollout, Completion([], turn, at.context.logprobs[pos:end], finish, versions))
+        at.pos = end
+        if calls:
+            results = self._tool_results(rollout, calls, ep)
+            tool_ids = self.format.add_tool_results(rollout, calls, results)
+            if ids[end : end + len(tool_ids)] != tool_ids or any(mask[end : end + len(tool_ids)]):
+                raise Rejected("tool_mismatch", f"the tool turn at {at.where()} is not what the task's tools answer")
+            at.pos += len(tool_ids)
+        return calls
+
+    def _next_context(self, rollout: Rollout, at: _Cursor) -> None:
+        """The budget had tool results elided (`EpisodeFormat.elide`, the rule the worker ran): the
+        submitted context must end here, and the next one start as the shorter context built here."""
+        if at.pos != len(at.context.token_ids):
+            raise Rejected("elision_mismatch", f"the context goes on past {at.where()}, where the budget elides")
+        if at.k + 1 == len(at.contexts):
+            raise Rejected("elision_mismatch", f"the budget elides after {at.where()}, and no context follows")
+        at.k, at.pos = at.k + 1, len(rollout.token_ids)
+        if not _starts_with(at.context, rollout.token_ids):
+            raise Rejected(
+                "elision_mismatch",
+                f"context {at.k} does not begin as the episode with messages {sorted(rollout.elided)} elided",
+            )
 
     def _leased_reward(self, prompt: Prompt, rollout: Rollout) -> float:
         """The reward an honest worker computes: the task scoring the episode on the prompt as
@@ -191,15 +251,14 @@ class Verifier:
         return float(leased.reward)
 
     def _check_tokens(self, ep: Episode, min_version: int, newest: int) -> None:
-        n = len(ep.token_ids)
-        if not (len(ep.loss_mask) == len(ep.logprobs) == n) or n > self.max_len:
-            raise Rejected(
-                "bad_tokens", f"{n} token ids, {len(ep.loss_mask)} mask entries, {len(ep.logprobs)} logprobs"
-            )
-        if any(not 0 <= t < self.vocab for t in ep.token_ids):
-            raise Rejected("bad_tokens", f"token ids outside the vocabulary of {self.vocab}")
-        if len(ep.versions) != sum(ep.loss_mask):
-            raise Rejected("bad_tokens", f"{len(ep.versions)} versions for {sum(ep.loss_mask)} sampled tokens")
+        contexts = ep.contexts()
+        if len(contexts) > self.format.task.max_turns:  # each holds a sampled turn
+            raise Rejected("bad_tokens", f"{len(contexts)} contexts for at most {self.format.task.max_turns} turns")
+        for context in contexts:
+            self._check_context(context)
+        sampled = sum(sum(context.loss_mask) for context in contexts)
+        if len(ep.versions) != sampled:
+            raise Rejected("bad_tokens", f"{len(ep.versions)} versions for {sampled} sampled tokens")
         if any(b < a for a, b in zip(ep.versions, ep.versions[1:])):
             raise Rejected("bad_tokens", "policy versions go backwards")
         if ep.versions and not (min_version <= ep.versions[0] and ep.versions[-1] <= newest):
@@ -208,7 +267,16 @@ class Verifier:
             )
         if any(not self.scorer.has(v) for v in set(ep.versions)):
             raise Rejected("bad_tokens", "a claimed policy version is no longer kept")
-        for lp, m in zip(ep.logprobs, ep.loss_mask):
+
+    def _check_context(self, context: Context) -> None:
+        n = len(context.token_ids)
+        if not (len(context.loss_mask) == len(context.logprobs) == n) or n > self.max_len:
+            raise Rejected(
+                "bad_tokens", f"{n} token ids, {len(context.loss_mask)} mask entries, {len(context.logprobs)} logprobs"
+            )
+        if any(not 0 <= t < self.vocab for t in context.token_ids):
+            raise Rejected("bad_tokens", f"token ids outside the vocabulary of {self.vocab}")
+        for lp, m in zip(context.logprobs, context.loss_mask):
             if not math.isfinite(lp) or lp > 1e-6 or (not m and lp != 0.0):
                 raise Rejected("bad_tokens", f"logprob {lp} is not a sampled token's log-probability")
 
@@ -228,34 +296,52 @@ class Verifier:
     # ------------------------------------------------------------------ logprobs
 
     def rescore(self, rollouts: list[Rollout]) -> None:
-        """Re-score a random `fraction` of each episode's sampled tokens (at least one) with the
-        version that claims them; reject an episode whose mean |Δ logprob| exceeds `tolerance`."""
+        """Re-score a random `fraction` of each context's sampled tokens (at least one) with the
+        version that claims them, each context a row as the trainer scores it; reject an episode
+        any of whose contexts has a mean |Δ logprob| over `tolerance` (honest ones cannot dilute it)."""
         if self.fraction <= 0:
             return
-        picks: dict[int, dict[int, list[int]]] = {}  # version -> rollout index -> positions
-        for i, r in enumerate(rollouts):
-            positions = [p for p, m in enumerate(r.loss_mask) if m]
+        rows = _rows(rollouts)
+        picks: dict[int, dict[int, list[int]]] = {}  # version -> row index -> positions
+        for n, row in enumerate(rows):
+            positions = [p for p, m in enumerate(row.segment.loss_mask) if m]
             chosen = [j for j in range(len(positions)) if self.rng.random() < self.fraction]
             if not chosen and positions:
                 chosen = [self.rng.randrange(len(positions))]
             for j in chosen:
-                picks.setdefault(r.versions[j], {}).setdefault(i, []).append(positions[j])
+                picks.setdefault(row.versions[j], {}).setdefault(n, []).append(positions[j])
         diffs: dict[int, list[float]] = {}
         for version in sorted(picks):
-            for i, positions in picks[version].items():
-                ids = rollouts[i].token_ids
-                ours = self.scorer.logprobs(version, ids[: max(positions) + 1])
-                diffs.setdefault(i, []).extend(abs(ours[p].item() - rollouts[i].logprobs[p]) for p in positions)
+            for n, positions in picks[version].items():
+                segment = rows[n].segment
+                ours = self.scorer.logprobs(version, segment.token_ids[: max(positions) + 1])
+                diffs.setdefault(n, []).extend(abs(ours[p].item() - segment.logprobs[p]) for p in positions)
                 self.stats.checked_tokens += len(positions)
-        means = {i: sum(d) / len(d) for i, d in sorted(diffs.items())}
-        for i, mean in means.items():
+        means = {n: sum(d) / len(d) for n, d in sorted(diffs.items())}
+        for n, mean in means.items():
             self.stats.diffs.append(mean)
             if mean > self.tolerance:
                 raise Rejected(
                     "logprob_mismatch",
-                    f"episode {i}: mean |Δ logprob| {mean:.3g} over {len(diffs[i])} tokens > tolerance {self.tolerance}",
+                    f"{rows[n].name}: mean |Δ logprob| {mean:.3g} over {len(diffs[n])} tokens > tolerance {self.tolerance}",
                 )
         self.stats.max_accepted_diff = max([self.stats.max_accepted_diff, *means.values()])
+
+
+def _rows(rollouts: list[Rollout]) -> list[_Row]:
+    """Every context of every rollout, with the versions of its sampled tokens."""
+    rows = []
+    for i, rollout in enumerate(rollouts):
+        versions, segments = iter(rollout.versions), rollout.segments()
+        for k, segment in enumerate(segments):
+            name = f"episode {i}" + (f" context {k}" if len(segments) > 1 else "")
+            rows.append(_Row(name, segment, list(islice(versions, sum(segment.loss_mask)))))
+    return rows
+
+
+def _starts_with(context: Context, ids: list[int]) -> bool:
+    """Whether `context` begins with `ids`, none of them sampled in it."""
+    return context.token_ids[: len(ids)] == ids and not any(context.loss_mask[: len(ids)])
 
 
 def _normal(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

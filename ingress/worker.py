@@ -57,6 +57,13 @@ def write_model_dir(spec: Spec, weights: dict[str, torch.Tensor], directory: Pat
     return directory
 
 
+def spec_limits(spec: Spec) -> EpisodeLimits:
+    """The run's episode limits as the spec carries them: the verifier rebuilds each episode under
+    the same ones, so a worker that bounded (or elided) otherwise would be rejected."""
+    elide = spec.context_policy == "elide"
+    return EpisodeLimits(spec.max_episode_tokens, spec.max_new_tokens, spec.max_tool_result_tokens, elide)
+
+
 print_now = partial(print, flush=True)  # a worker's log is tailed (by people, by tests): each line as it happens
 
 
@@ -105,8 +112,7 @@ class RolloutWorker:
         engine.load_weights(self._policy(weights), version)
         task = make_task(TaskConfig(import_path=spec.task_import_path, kwargs=spec.task_kwargs))
         chat = ChatSettings(spec.renderer, spec.tool_parser, spec.chat_template_kwargs)
-        limits = EpisodeLimits(spec.max_episode_tokens, spec.max_new_tokens, spec.max_tool_result_tokens)
-        episodes = EpisodeFormat(AutoTokenizer.from_pretrained(str(path)), task, chat, limits)
+        episodes = EpisodeFormat(AutoTokenizer.from_pretrained(str(path)), task, chat, spec_limits(spec))
         sampling = Sampling(spec.temperature, spec.top_p, spec.max_new_tokens)
         self.scheduler = EpisodeScheduler(
             engine, episodes, sampling, max_episodes=self.max_episodes, max_tokens=self.max_tokens

@@ -35,6 +35,7 @@ def start_ingress(
         renderer=chat.renderer, tool_parser=chat.tool_parser,
         chat_template_kwargs=chat.template_kwargs, model_files=model_files(model_path),
         max_episode_tokens=limits.max_tokens, max_tool_result_tokens=limits.max_tool_tokens,
+        context_policy=g.context_policy,
         lora=config.model.lora.model_dump() if config.model.lora is not None else None,
         vllm_log_level=g.vllm_log_level,
     )  # fmt: skip
