@@ -267,7 +267,8 @@ class GeneratorConfig(Section):
         description="An episode whose next turn would not fit its budget: 'cut' ends it (finish reason 'length', "
         "stop 'prompt_too_long'); 'elide' replaces its oldest tool results, one at a time, by a marker the policy "
         "sees and goes on from the shorter context (cut once nothing is left to elide). The turns sampled before "
-        "train on the context they were sampled in: the episode trains as one row per context.",
+        "train on the context they were sampled in: the episode trains as one row per context. Outside rollout "
+        "workers elide by the same rule, and the ingress verifier rebuilds each context they send.",
     )
     samples_per_prompt: int = Field(
         4, ge=2, description="Rollouts per prompt (the advantage group size; one alone always has advantage 0)."
@@ -754,12 +755,17 @@ class IngressConfig(Section):
         60.0, gt=0, description="Seconds a worker has to submit a leased group before it goes to the mesh's generators."
     )
     verify_fraction: float = Field(
-        0.25, ge=0, le=1, description="Fraction of each episode's sampled tokens re-scored with the claimed version."
+        0.25,
+        ge=0,
+        le=1,
+        description="Fraction of each episode's sampled tokens (of each context, for an episode that elided tool "
+        "results) re-scored with the claimed version.",
     )
     verify_tolerance: float = Field(
         0.05,
         gt=0,
-        description="Largest mean |claimed - recomputed| logprob (nats) of an accepted episode's checked tokens.",
+        description="Largest mean |claimed - recomputed| logprob (nats) of an accepted episode's checked tokens "
+        "(of each of its contexts, for an episode that elided tool results).",
     )
     max_strikes: int = Field(
         3, ge=1, description="Rejected submissions after which a worker key is banned for the run."
@@ -846,15 +852,6 @@ class RunConfig(Section):
             raise ValueError(
                 f"generator.backend = 'vllm' needs topology.generator.gpus_per_proc = 1 (vLLM's GPU build) "
                 f"or 0 (its CPU build), got {gpus}"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _elision_in_the_mesh(self) -> RunConfig:
-        if self.ingress.bind is not None and self.generator.context_policy == "elide":
-            raise ValueError(
-                "generator.context_policy = 'elide' with ingress.bind: an outside worker's episode is one row of "
-                "tokens, and an elided episode trains as several (use 'cut', or no outside workers)"
             )
         return self
 
