@@ -144,6 +144,7 @@ class Controller:
         collected = self.feed.collect(step)
         waited = time.perf_counter() - start
         fresh = collected.fresh
+        self.streams.observe(step, fresh)
         rl = rl_shards(fresh, group_advantages(fresh), cfg.trainer.micro_batch_tokens, self.tokenizer.pad_token_id,
                        world, keep_zero_advantage=isinstance(cfg.loss, RefKlLoss),
                        mask_truncated=cfg.trainer.mask_truncated_completions,
@@ -178,7 +179,7 @@ class Controller:
                             generate=max(g.finished for g in groups) - min(g.started for g in groups),
                             wait_rollouts=waited, train=train_seconds, weight_sync=sync),
         )  # fmt: skip
-        return step_record(facts), lost
+        return {**step_record(facts), **self.streams.stage_metrics(step)}, lost
 
     def _eval_round(self) -> dict[str, float]:
         if self.evaluator is None:

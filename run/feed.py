@@ -110,11 +110,18 @@ class RolloutFeed:
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps: the prompt streams where the oldest step still in flight drew
-        from (a resumed run draws its prompts again), dynamic sampling's stream, the counters."""
-        return {**self.checkpoint_streams(), "refill_rng": rng_state(self.streams.refill_rng), **self.counters()}
+        from (a resumed run draws its prompts again), dynamic sampling's stream, a curriculum's
+        summaries of the steps done, the counters."""
+        return {
+            **self.checkpoint_streams(),
+            "refill_rng": rng_state(self.streams.refill_rng),
+            "curriculum": self.streams.summaries,
+            **self.counters(),
+        }
 
     def restore(self, state: dict[str, Any]) -> None:
         self.streams.restore(state)
+        self.streams.summaries = list(state.get("curriculum", []))  # absent from checkpoints of earlier versions
         self.dropped_stale, self.generators.lost_rollouts = state["dropped_stale"], state["lost_rollouts"]
         self.generators.errors = state.get("generator_errors", 0)  # absent from checkpoints of earlier versions
 

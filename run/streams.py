@@ -15,8 +15,9 @@ from typing import Any
 
 from meshrl.configs.schema import RunConfig
 from meshrl.rollouts.advantages import check_draws
+from meshrl.rollouts.episodes import Rollout
 from meshrl.rollouts.scheduler import GroupRequest
-from meshrl.tasks.base import Task
+from meshrl.tasks.base import Curriculum, Task
 
 
 def stream_seed(config: RunConfig) -> int:
@@ -50,6 +51,8 @@ class GroupStreams:
         self.seed_rng = random.Random(seed + 1)  # generator sampling seeds
         self.refill_rng = random.Random(seed + 4)  # prompts and seeds of dynamic sampling's extra groups
         self.asked = 0  # groups drawn so far: the next group's key
+        self.summaries: list[dict[str, Any]] = []  # a curriculum task's summary of each step done, in order
+        self.stages: dict[int, dict[str, float]] = {}  # the curriculum's metrics at each step's draw
 
     def state(self) -> dict[str, Any]:
         """The main streams as they are now (a checkpoint records those of the oldest step in flight)."""
@@ -60,6 +63,17 @@ class GroupStreams:
         self.seed_rng.setstate(rng_from(state["seed_rng"]))
         if "refill_rng" in state:  # checkpoints written before dynamic sampling existed go on with a fresh stream
             self.refill_rng.setstate(rng_from(state["refill_rng"]))
+
+    def observe(self, step: int, rollouts: list[Rollout]) -> None:
+        """A curriculum task's summary of the step's scored rollouts, kept for later draws."""
+        if isinstance(self.task, Curriculum):
+            if step != len(self.summaries):
+                raise RuntimeError(f"curriculum: step {step} observed after {len(self.summaries)} steps")
+            self.summaries.append(self.task.summarize([r.prompt for r in rollouts], [r.reward for r in rollouts]))
+
+    def stage_metrics(self, step: int) -> dict[str, float]:
+        """The curriculum's metrics as the step's prompts were drawn (none for other tasks)."""
+        return self.stages.get(step, {})
 
     def step_groups(self, step: int, in_flight: list[str]) -> list[GroupRequest]:
         """The step's own groups, from the main streams."""
@@ -79,6 +93,9 @@ class GroupStreams:
         """`n` groups for `step`: a group starts once its generator runs policy version
         `step - max_async_level` or newer. `in_flight`: the step's prompt ids already asked for."""
         g = self.config.generator
+        if isinstance(self.task, Curriculum):  # the steps every draw of `step` can see, in any run
+            seen = self.summaries[: max(0, step - (g.max_async_level + 2) + 1)]
+            self.stages[step] = self.task.stage(seen)
         prompts = self.task.sample_prompts(prompt_rng, n)
         check_draws([p.prompt_id for p in prompts], in_flight, self.config.task.import_path)
         groups = []

@@ -145,6 +145,19 @@ class Hinting(Protocol):
     def hint(self, error_kind: str, error_meta: dict[str, Any]) -> str | None: ...
 
 
+@runtime_checkable
+class Curriculum(Protocol):
+    """Tasks whose prompts follow the run's results (a horizon that grows, say). The run keeps each
+    step's `summarize` (JSON, checkpointed) and, before it draws a step's prompts, hands `stage` the
+    summaries of the steps it may see: those `generator.max_async_level + 2` or more steps back, all of
+    which are in by the time any later step is drawn, so a resumed run draws what the uninterrupted
+    one did. `stage` sets what `sample_prompts` draws and returns the curriculum's metrics."""
+
+    def summarize(self, prompts: list[Prompt], rewards: list[float]) -> dict[str, Any]: ...
+
+    def stage(self, summaries: list[dict[str, Any]]) -> dict[str, float]: ...
+
+
 def make_task(config: TaskConfig) -> Task:
     """The task factory named by `task.import_path`, called with `task.kwargs`."""
     try:
