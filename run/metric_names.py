@@ -79,6 +79,8 @@ METRICS: dict[str, dict[str, str]] = {
         "success/horizon_<h>": "Tasks that set a horizon (prompt info 'horizon', an int: e.g. the tool-call hops "
         "it takes): fraction of the fresh rollouts of horizon h with full reward (≥ 1).",
         "rollouts/horizon_<h>": "Tasks that set a horizon: the fresh rollouts of horizon h the step trained on.",
+        "curriculum/horizon": "A curriculum task (the horizon task with start_hops): the horizon the step's prompts "
+        "were drawn at, grown from the summaries of the steps generator.max_async_level + 2 or more before it.",
     },
     "Throughput and time": {
         "rollout_tokens_per_s": "Sampled tokens of the fresh rollouts per second of time/generate.",
