@@ -26,13 +26,12 @@ Reward, in [0, 1]:
     that calls every letter, or the same key again, or guesses ahead, reaches nothing it did not follow.
 
 With `start_hops` the task is a curriculum (`tasks.base.Curriculum`): prompts start at
-`start_hops` hops and the horizon grows by `growth`× (at most `hops`) once the success rate over
+`start_hops` hops and the horizon grows by `grow_by` hops (up to `hops`) once the success rate over
 the last `window` episodes at the current horizon reaches `promote_at`.
 """
 
 from __future__ import annotations
 
-import math
 import random
 import zlib
 from dataclasses import dataclass
@@ -93,7 +92,7 @@ class HorizonTask:
         start_hops: int | None = None,
         promote_at: float = 0.8,
         window: int = 64,
-        growth: float = 2.0,
+        grow_by: int = 1,
     ) -> None:
         if not 1 <= hops <= 32:
             raise ValueError(f"hops must be in [1, 32], got {hops}")
@@ -108,13 +107,13 @@ class HorizonTask:
         for name, value in (("demo_hops", demo_hops), ("eval_hops", eval_hops), ("start_hops", start_hops)):
             if value is not None and not 1 <= value <= hops:
                 raise ValueError(f"{name} must be in [1, hops = {hops}], got {value}")
-        if not 0.0 < promote_at <= 1.0 or window < 1 or growth <= 1.0:
-            raise ValueError("promote_at must be in (0, 1], window at least 1, growth above 1")
+        if not 0.0 < promote_at <= 1.0 or window < 1 or grow_by < 1:
+            raise ValueError("promote_at must be in (0, 1], window and grow_by at least 1")
         self.hops, self.decoys, self.filler_words, self.retries = hops, decoys, filler_words, retries
         self.hop_credit, self.recovery_rate = hop_credit, recovery_rate
         self.demo_hops = demo_hops or hops
         self.eval_hops = eval_hops or hops
-        self.start_hops, self.promote_at, self.window, self.growth = start_hops, promote_at, window, growth
+        self.start_hops, self.promote_at, self.window, self.grow_by = start_hops, promote_at, window, grow_by
         self.horizon = start_hops or hops  # the hops of the prompts drawn now (the curriculum moves it)
         self.max_turns = hops + 1 + retries
         self.tools = [LOOKUP_SCHEMA]
@@ -272,7 +271,7 @@ class HorizonTask:
             if sum(e for _, e in recent) >= self.window and sum(s for s, _ in recent) >= self.promote_at * sum(
                 e for _, e in recent
             ):
-                horizon, recent = min(self.hops, max(horizon + 1, math.ceil(horizon * self.growth))), []
+                horizon, recent = min(self.hops, horizon + self.grow_by), []
         self.horizon = horizon
         return {"curriculum/horizon": float(horizon)}
 

@@ -187,16 +187,18 @@ def _summary(horizon: int, successes: int, episodes: int) -> dict[str, list[int]
     return {str(horizon): [successes, episodes]}
 
 
-def test_the_horizon_doubles_when_the_recent_success_rate_passes_the_bar():
-    task = HorizonTask(hops=16, start_hops=2, promote_at=0.8, window=64)
+def test_the_horizon_grows_when_the_recent_success_rate_passes_the_bar():
+    task = HorizonTask(hops=16, start_hops=2, promote_at=0.8, window=64, grow_by=2)
     assert task.stage([]) == {"curriculum/horizon": 2.0}
     good, bad = _summary(2, 30, 32), _summary(2, 10, 32)
     assert task.stage([good]) == {"curriculum/horizon": 2.0}  # 32 episodes: the window is not full
     assert task.stage([good, good])["curriculum/horizon"] == 4.0
     assert task.stage([bad, good, good])["curriculum/horizon"] == 4.0  # the window holds the recent steps
     assert task.stage([good, bad, good])["curriculum/horizon"] == 2.0
-    climb = [good, good, _summary(4, 32, 32), _summary(4, 32, 32), _summary(8, 26, 32), _summary(8, 26, 32)]
+    assert task.stage([good, good, _summary(2, 32, 32), _summary(4, 30, 32)])["curriculum/horizon"] == 4.0
+    climb = [good, good, *[_summary(h, 26, 32) for h in (4, 4, 6, 6, 8, 8, 10, 10, 12, 12, 14, 14)]]
     assert task.stage(climb)["curriculum/horizon"] == 16.0
+    assert task.stage([*climb, bad, bad])["curriculum/horizon"] == 16.0  # it never shrinks
     assert {p.info["horizon"] for p in task.sample_prompts(random.Random(0), 10)} == {16}
     assert HorizonTask(hops=16).stage([good, good]) == {}  # no start_hops: no curriculum
 
@@ -243,7 +245,7 @@ def test_a_resumed_curriculum_draws_what_the_uninterrupted_run_drew():
     config = RunConfig.model_validate({
         "max_steps": 20, "generator": {"max_async_level": 1},
         "task": {"import_path": "meshrl.tasks.horizon:HorizonTask", "prompts_per_step": 8,
-                 "kwargs": {"hops": 16, "start_hops": 1, "window": 8, "promote_at": 0.7}}})  # fmt: skip
+                 "kwargs": {"hops": 16, "start_hops": 1, "window": 8, "promote_at": 0.7, "grow_by": 5}}})  # fmt: skip
     whole = _draws(config, None)
     assert [draw[0][1] for draw in whole] == sorted(draw[0][1] for draw in whole)
     assert whole[0][0][1] == 1 and whole[-1][0][1] == 16  # it climbed, so a resume has something to get right
