@@ -26,6 +26,7 @@ class EvalResult:
     k: int
     reward_greedy: float
     reward_sampled: float
+    pass_greedy: float  # the fraction of prompts whose greedy episode passed
     pass_at_1: float
     pass_at_k: float
     rubric: dict[str, float] = field(default_factory=dict)  # the sampled episodes' rubric parts (`rubric_means`)
@@ -34,6 +35,7 @@ class EvalResult:
         return {
             "eval/reward_greedy": self.reward_greedy,
             "eval/reward_sampled": self.reward_sampled,
+            "eval/pass_greedy": self.pass_greedy,
             "eval/pass@1": self.pass_at_1,
             f"eval/pass@{self.k}": self.pass_at_k,
             **{f"eval/{key}": value for key, value in self.rubric.items()},
@@ -95,6 +97,7 @@ def evaluate(engine: object, episodes: EpisodeFormat, plan: EvalPlan) -> EvalRes
         k=k,
         reward_greedy=sum(g[0].reward for g in greedy) / n,
         reward_sampled=sum(rewards) / len(rewards),
+        pass_greedy=sum(g[0].reward >= plan.success_threshold for g in greedy) / n,
         pass_at_1=sum(pass_at_k(k, c, 1) for c in passed) / n,
         pass_at_k=sum(pass_at_k(k, c, k) for c in passed) / n,
         rubric=rubric_means([r for group in sampled for r in group]),

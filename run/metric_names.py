@@ -165,6 +165,7 @@ METRICS: dict[str, dict[str, str]] = {
     "Evaluation": {
         "eval/reward_greedy": "Mean reward of one greedy episode per eval prompt.",
         "eval/reward_sampled": "Mean reward of eval.k sampled episodes per prompt.",
+        "eval/pass_greedy": "Fraction of eval prompts whose greedy episode passes (reward ≥ eval.success_threshold).",
         "eval/pass@<k>": "Unbiased pass@k (reward ≥ eval.success_threshold passes); k = 1 and eval.k.",
         "eval/rubric/<component>": "Rubric term over the sampled eval episodes (scoring tasks).",
         "eval/task_metric/<metric>": "Task metric over the sampled eval episodes (scoring tasks).",

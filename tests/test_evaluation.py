@@ -59,10 +59,11 @@ def test_evaluate_greedy_and_sampled(engine_and_format):
     first, other_seed = run(0.0, 0), run(2.0, 1)
     assert first.prompts == 3 and first.k == 4
     assert first.reward_greedy == other_seed.reward_greedy  # greedy does not depend on the seed
-    assert first.pass_at_1 == first.pass_at_k == 1.0  # every reward >= 0
-    assert other_seed.pass_at_1 == other_seed.pass_at_k == 0.0  # none reaches 2
+    assert first.pass_greedy == first.pass_at_1 == first.pass_at_k == 1.0  # every reward >= 0
+    assert other_seed.pass_greedy == other_seed.pass_at_1 == other_seed.pass_at_k == 0.0  # none reaches 2
     assert 0.0 <= first.reward_sampled <= 1.0
-    assert set(first.metrics()) == {"eval/reward_greedy", "eval/reward_sampled", "eval/pass@1", "eval/pass@4"}
+    assert set(first.metrics()) == {
+        "eval/reward_greedy", "eval/reward_sampled", "eval/pass_greedy", "eval/pass@1", "eval/pass@4"}  # fmt: skip
 
 
 def test_model_dir_takes_a_model_a_checkpoint_or_a_run(engine_and_format, tmp_path):
