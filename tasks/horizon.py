@@ -1,8 +1,8 @@
 """A built-in task whose horizon is a knob: follow a chain of lookups, `hops` of them, then answer.
 
 The question names the chain's first key; each key's result names the next one among decoys
-(`use "q", not "x", not "Z"`, in shuffled order), and the last key's result holds the value the
-assistant answers with. An episode of `hops` hops is `hops` lookups and an answer: `hops + 1`
+(`use "q", not "x", not "Z"`; with `shuffle`, in random order), and the last key's result holds the
+value the assistant answers with. An episode of `hops` hops is `hops` lookups and an answer: `hops + 1`
 turns, every one of which the policy must get right. Keys are single letters (one token), so the
 tiny model can copy them; `decoys` sets how many wrong keys each result offers and `filler_words`
 pads each result with that many words, so an episode's tokens can pass the run's budget and the
@@ -11,7 +11,7 @@ context policy has to act.
     system     Tools: lookup(key)
     user       Follow "k".
     assistant  <tool_call>{"name": "lookup", "arguments": {"key": "k"}}</tool_call>
-    tool       not "x", use "q", not "Z"
+    tool       use "q", not "x", not "Z"
     assistant  <tool_call>{"name": "lookup", "arguments": {"key": "q"}}</tool_call>
     tool       value 42
     assistant  42
@@ -83,6 +83,7 @@ class HorizonTask:
         self,
         hops: int = 4,
         decoys: int = 2,
+        shuffle: bool = False,
         filler_words: int = 0,
         retries: int = 2,
         hop_credit: float = 0.5,
@@ -109,7 +110,8 @@ class HorizonTask:
                 raise ValueError(f"{name} must be in [1, hops = {hops}], got {value}")
         if not 0.0 < promote_at <= 1.0 or window < 1 or grow_by < 1:
             raise ValueError("promote_at must be in (0, 1], window and grow_by at least 1")
-        self.hops, self.decoys, self.filler_words, self.retries = hops, decoys, filler_words, retries
+        self.hops, self.decoys, self.shuffle, self.filler_words = hops, decoys, shuffle, filler_words
+        self.retries = retries
         self.hop_credit, self.recovery_rate = hop_credit, recovery_rate
         self.demo_hops = demo_hops or hops
         self.eval_hops = eval_hops or hops
@@ -140,7 +142,8 @@ class HorizonTask:
             decoys = rng.sample(pool, self.decoys)
             entries = [f'use "{chain[i + 1]}"' if i + 1 < hops else f"value {value}"]
             entries += [f'not "{decoy}"' for decoy in decoys]
-            rng.shuffle(entries)
+            if self.shuffle:
+                rng.shuffle(entries)
             filler = " ".join(rng.choice(FILLER) for _ in range(self.filler_words))
             store[key] = ", ".join(entries) + (f"; {filler}" if filler else "")
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f'Follow "{chain[0]}".'}]

@@ -67,7 +67,7 @@ def test_the_oracle_follows_every_chain_to_its_value(hops):
 
 
 def test_each_result_names_the_next_key_among_decoys_in_no_fixed_place():
-    task = HorizonTask(hops=6, decoys=3, filler_words=5)
+    task = HorizonTask(hops=6, decoys=3, shuffle=True, filler_words=5)
     places = set()
     for prompt in task.sample_prompts(random.Random(0), 30):
         chain, store = prompt.info["chain"], prompt.info["store"]
@@ -78,6 +78,14 @@ def test_each_result_names_the_next_key_among_decoys_in_no_fixed_place():
             assert all(e == right or (e.startswith("not ") and e[5] not in store) for e in entries)
             places.add(entries.index(right))
     assert places == {0, 1, 2, 3}
+
+
+def test_without_shuffle_the_next_key_comes_first():
+    task = HorizonTask(hops=3, decoys=2)
+    for prompt in task.sample_prompts(random.Random(0), 10):
+        chain, store = prompt.info["chain"], prompt.info["store"]
+        assert [store[key].split(", ")[0] for key in chain] == [f'use "{chain[1]}"', f'use "{chain[2]}"',
+                                                                 f"value {prompt.answer}"]  # fmt: skip
 
 
 def test_a_wrong_key_is_an_error_naming_the_keys_offered_beside_it():
