@@ -136,8 +136,6 @@ def success_by_horizon(out: Path, horizons: list[int], n: int) -> dict[int, floa
         config = run_config(out, ["--eval.n", str(n), "--eval.k", "1"])
         kwargs = dict(config.task.kwargs)
         kwargs.update(hops=max(hops, kwargs.get("hops", hops)), eval_hops=hops)
-        for key in ("start_hops", "demo_hops"):  # only checked against hops; eval draws at eval_hops
-            kwargs.pop(key, None)
         config.task.kwargs = kwargs
         scores[hops] = evaluate_checkpoint(config, out).pass_greedy
     return scores
@@ -186,6 +184,7 @@ def main() -> None:
     parser.add_argument("--filler", type=int, default=16, help="--context: filler words per tool result")
     parser.add_argument("--budget", type=int, default=512, help="--context: an episode's token budget")
     parser.add_argument("--network", action="store_true", help="one mesh, two islands, two outside workers")
+    parser.add_argument("--modes", nargs="+", choices=list(NETWORK), default=list(NETWORK), help="--network: which")
     parser.add_argument("--reuse", action="store_true", help="score runs already in OUT instead of training them")
     parser.add_argument("--out", default="runs/horizon_bench")
     parser.add_argument("--plot", default=None, help="default: docs/horizon.png (docs/horizon_context.png)")
@@ -202,7 +201,7 @@ def main() -> None:
         arms = {policy: ["--generator.context_policy", policy] for policy in ("cut", "elide")}
         key, plot_path = "context_policy", args.plot or str(REPO / "docs" / "horizon_context.png")
     elif args.network:
-        arms = {mode: [] for mode in NETWORK}
+        arms = {mode: [] for mode in args.modes}
         key, plot_path = "run", args.plot or str(REPO / "docs" / "horizon_network.png")
     else:
         arms = {arm: ARMS[arm] for arm in args.arms}
@@ -238,7 +237,7 @@ def main() -> None:
     print(f"plot: {plot_path}")
 
 
-NETWORK = {"all": train, "islands": islands, "workers": with_workers}  # "all": the arm of the same name
+NETWORK = {"islands": islands, "workers": with_workers, "all": train}  # "all": the arm of the same name
 
 
 def run_config_value(section: str, key: str) -> Any:
