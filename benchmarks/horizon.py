@@ -185,7 +185,7 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=512, help="--context: an episode's token budget")
     parser.add_argument("--network", action="store_true", help="one mesh, two islands, two outside workers")
     parser.add_argument("--modes", nargs="+", choices=list(NETWORK), default=list(NETWORK), help="--network: which")
-    parser.add_argument("--reuse", action="store_true", help="score runs already in OUT instead of training them")
+    parser.add_argument("--reuse", action="store_true", help="keep the rows OUT's results file has (arm and seed)")
     parser.add_argument("--out", default="runs/horizon_bench")
     parser.add_argument("--plot", default=None, help="default: docs/horizon.png (docs/horizon_context.png)")
     args, passed = parser.parse_known_args()
@@ -207,16 +207,31 @@ def main() -> None:
         arms = {arm: ARMS[arm] for arm in args.arms}
         key, plot_path = "arm", args.plot or str(REPO / "docs" / "horizon.png")
 
+    path = root / f"results_{key}.json"
+    kept = {(r[key], r["seed"]): r for r in json.loads(path.read_text())} if args.reuse and path.exists() else {}
+    if args.network and (arms_path := root / "results_arm.json").exists():  # the arm `all` is the one-mesh run
+        kept.update({(r["arm"], r["seed"]): {**r, key: r["arm"]} for r in json.loads(arms_path.read_text())
+                     if r["arm"] in ("all", "warm start")})  # fmt: skip
     results = []
+
+    def add(row: dict) -> None:
+        results.append(row)
+        print(json.dumps(row), flush=True)
+        path.write_text(json.dumps(results, indent=1))
+
     for seed in args.seeds:
-        start_from = ["--model.path", str(warm(root, seed, common)), "--trainer.warm_start_steps", "0",
-                      "--eval.interval", "0"]  # fmt: skip
+        warmed = warm(root, seed, common)
+        start_from = ["--model.path", str(warmed), "--trainer.warm_start_steps", "0", "--eval.interval", "0"]
+        if (row := kept.get(("warm start", seed))) is None:  # the warm start alone: RL's baseline
+            before = success_by_horizon(warmed.parent, args.horizons, args.n)
+            row = {key: "warm start", "seed": seed, "success": {str(h): s for h, s in before.items()}}
+        add(row)
         for arm, flags in arms.items():
+            if (row := kept.get((arm, seed))) is not None:
+                add(row)
+                continue
             out = root / f"{arm}_seed{seed}"
-            done = (out / "a" if arm == "islands" else out) / "final" / "config.json"
-            if args.reuse and done.exists():
-                seconds, finals = float("nan"), [out / "a", out / "b"] if arm == "islands" else [out]
-            elif args.network:  # arm: how the preset is run; every run of a network mode on the same flags
+            if args.network:  # arm: how the preset is run; every run of a network mode on the same flags
                 seconds = NETWORK[arm](out, seed, [*start_from, *common])
                 finals = [out / "a", out / "b"] if arm == "islands" else [out]
             else:
@@ -224,15 +239,13 @@ def main() -> None:
             scores = [success_by_horizon(final, args.horizons, args.n) for final in finals]
             success = {str(h): statistics.fmean(score[h] for score in scores) for h in args.horizons}
             records = RunDir(finals[0]).read_metrics()
-            row = {key: arm, "seed": seed, "train_s": round(seconds, 1), "success": success, **summary(records)}
-            results.append(row)
-            print(json.dumps(row), flush=True)
-            (root / f"results_{key}.json").write_text(json.dumps(results, indent=1))
+            add({key: arm, "seed": seed, "train_s": round(seconds, 1), "success": success, **summary(records)})
     print(f"\ngreedy success on held-out chains ({args.n} a horizon), by {key}; every seed:")
-    print(f"{key:<8} seed " + "".join(f"{h:>7}" for h in args.horizons) + "  curriculum  train_s")
+    print(f"{key:<10} seed " + "".join(f"{h:>7}" for h in args.horizons) + "  curriculum  train_s")
     for r in results:
         cells = "".join(f"{r['success'][str(h)]:>7.2f}" for h in args.horizons)
-        print(f"{r[key]:<8} {r['seed']:>4} {cells}  {r['curriculum_horizon']:>10.0f}  {r['train_s']:>7.0f}")
+        trained = f"{r['curriculum_horizon']:>10.0f}  {r['train_s']:>7.0f}" if "train_s" in r else ""
+        print(f"{r[key]:<10} {r['seed']:>4} {cells}  {trained}")
     plot(results, args.horizons, Path(plot_path), key)
     print(f"plot: {plot_path}")
 
