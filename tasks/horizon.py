@@ -20,7 +20,8 @@ A decoy is in no store: looking one up is a tool error naming the keys offered b
 site at whatever depth it happens), from which the next turn can recover.
 
 Reward, in [0, 1]:
-    1.0  the last assistant message's content, stripped, is the value
+    1.0  the last assistant message's content, stripped, is the value, and every key of the chain
+         was reached in order (below): guessing keys until the last one turns up earns no answer
     otherwise `hop_credit` × (chain keys reached in order) / `hops`, where a key counts only when a
     turn that made no other call looked it up after the previous key's result was shown: a policy
     that calls every letter, or the same key again, or guesses ahead, reaches nothing it did not follow.
@@ -193,8 +194,11 @@ class HorizonTask:
         return Reached(keys, answered)
 
     def reward(self, prompt: Prompt, messages: list[dict[str, Any]]) -> float:
+        """The full reward only for the value answered after the whole chain was followed: a policy
+        that guesses keys reaches the last one by chance within its turns, and answering from there
+        would otherwise pay in full."""
         reached = self.reached(prompt, messages)
-        if reached.answered:
+        if reached.answered and reached.keys == prompt.info["horizon"]:
             return ANSWER_REWARD
         return self.hop_credit * reached.keys / prompt.info["horizon"]
 

@@ -106,7 +106,7 @@ def test_partial_credit_counts_chain_keys_followed_in_order():
     followed = _play(task, prompt, lambda m: _turn(chain[sum(x["role"] == "assistant" for x in m)])
                      if sum(x["role"] == "assistant" for x in m) < 3 else {"role": "assistant", "content": "12"})  # fmt: skip
     assert task.reward(prompt, followed) == pytest.approx(0.5 * 3 / 4)
-    assert task.reward(prompt, [*prompt.messages, {"role": "assistant", "content": prompt.answer}]) == 1.0
+    assert task.reward(prompt, [*prompt.messages, {"role": "assistant", "content": prompt.answer}]) == 0.0
 
 
 def test_a_recovery_after_a_wrong_call_still_earns_the_answer():
@@ -145,6 +145,14 @@ def test_red_team_cheats_earn_no_more_than_the_keys_they_followed(seed):
     assert _cheat(task, prompt, [{"role": "assistant", "content": f"{prompt.answer} or 13"}]) == 0.0
     numbers = " ".join(str(n) for n in range(10, 100))
     assert _cheat(task, prompt, [{"role": "assistant", "content": numbers}]) == 0.0
+    # a lucky guess of the last key (or a later one, then onward), and the value it shows answered:
+    # the answer pays only after the whole chain was followed (a 16-hop policy that guessed at random
+    # found the last key and answered in 2 of 32 held-out episodes before this rule)
+    answer = {"role": "assistant", "content": prompt.answer}
+    assert _cheat(task, prompt, [_turn(chain[0]), _turn(chain[-1]), answer]) == pytest.approx(0.5 / 6)
+    skipped = [_turn(chain[0]), _turn(chain[3]), _turn(chain[4]), _turn(chain[5]), answer]
+    assert _cheat(task, prompt, skipped) == pytest.approx(0.5 / 6)
+    assert _cheat(task, prompt, [_turn(c) for c in chain] + [answer]) == ANSWER_REWARD
     # the answer with a call in the same turn: the episode is not over, so it is no answer
     answer_and_call = {**_turn(chain[0]), "content": prompt.answer}
     assert _cheat(task, prompt, [answer_and_call]) < ANSWER_REWARD
