@@ -95,7 +95,8 @@ def test_run_killed_after_a_checkpoint_resumes_evaluates_and_refuses_a_rerun(tmp
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2", "step_4", "step_6"]
     assert (out / "checkpoints" / "step_2" / "COMPLETE").exists()
     assert (out / "checkpoints" / "step_2" / "model" / "model.safetensors").exists()
-    assert {p.name for p in (out / "plots").iterdir()} == {"reward.png", "losses.png", "throughput.png", "timeline.png"}
+    assert {p.name for p in (out / "plots").iterdir()} == {"reward.png", "losses.png", "throughput.png", "timeline.png",
+                                                       "episodes.png"}  # fmt: skip
     assert load_config(["@", str(out / "config.toml")]).max_steps == STEPS
 
     # Evaluation beside training (when a policy's lands depends on timing): the last step evaluates
