@@ -40,7 +40,7 @@ from string import ascii_letters
 from typing import Any
 
 from meshrl.tasks.base import Prompt, ToolResult
-from meshrl.tasks.toy import LOOKUP, LOOKUP_SCHEMA, SYSTEM, _lookup_call
+from meshrl.tasks.toy import LOOKUP, LOOKUP_SCHEMA, SYSTEM, _lookup_call, lookup_key
 from meshrl.traces.errors import ErrorClassifier, mark_error_sites
 from meshrl.traces.schema import ToolCall, TraceExample, Turn
 
@@ -63,15 +63,6 @@ class Reached:
 
 def _calls(message: dict[str, Any]) -> list[dict[str, Any]]:
     return list(message.get("tool_calls") or []) if message.get("role") == "assistant" else []
-
-
-def _lookup_key(call: dict[str, Any]) -> str | None:
-    function = call.get("function") or {}
-    arguments = function.get("arguments")
-    if function.get("name") != LOOKUP or not isinstance(arguments, dict):
-        return None
-    key = arguments.get("key")
-    return key if isinstance(key, str) else None
 
 
 class HorizonTask:
@@ -184,7 +175,7 @@ class HorizonTask:
         for message in messages:
             calls = _calls(message)
             if calls:
-                if len(calls) == 1 and shown and keys < len(chain) and _lookup_key(calls[0]) == chain[keys]:
+                if len(calls) == 1 and shown and keys < len(chain) and lookup_key(calls[0]) == chain[keys]:
                     keys, shown = keys + 1, False
             elif message.get("role") == "tool":
                 shown = True

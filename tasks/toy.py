@@ -55,17 +55,23 @@ def _lookup_call(call_id: str, key: str) -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {"name": LOOKUP, "arguments": {"key": key}}}
 
 
+def lookup_key(call: dict[str, Any]) -> str | None:
+    """The key of a well-formed lookup call (arguments {"key": str}), else None."""
+    function = call.get("function") or {}
+    arguments = function.get("arguments")
+    if function.get("name") != LOOKUP or not isinstance(arguments, dict):
+        return None
+    key = arguments.get("key")
+    return key if isinstance(key, str) else None
+
+
 def _asked_keys(messages: list[dict[str, Any]]) -> list[str]:
     """Keys of the well-formed lookup calls in the conversation."""
     keys = []
     for message in messages:
         if message.get("role") != "assistant":
             continue
-        for call in message.get("tool_calls") or []:
-            function = call.get("function") or {}
-            arguments = function.get("arguments")
-            if function.get("name") == LOOKUP and isinstance(arguments, dict) and isinstance(arguments.get("key"), str):
-                keys.append(arguments["key"])
+        keys += [key for call in message.get("tool_calls") or [] if (key := lookup_key(call)) is not None]
     return keys
 
 
