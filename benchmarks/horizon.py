@@ -8,8 +8,8 @@
 Each seed's warm start runs once (`warm`) and every run of that seed starts RL from it; each
 (arm, seed) is then one `meshrl train @ configs/horizon.toml --seed S` (same step budget), its
 `final/` scored greedy on the task's held-out split at every horizon in `--horizons`
-(`eval.n` prompts each; success: the full reward). Arms: `rl` (the RL channel alone: replay and
-SDPO at weight 0), `sdpo`, `replay`, `all` (the preset as shipped). `--context` runs instead the
+(`eval.n` prompts each; success: the full reward). Arms: `rl` (the preset as shipped: the RL
+channel alone), `sdpo` (+SDPO at weight 0.05), `replay` (+replay DPO at 0.1), `all` (both). `--context` runs instead the
 preset with its episodes past the budget (`--filler` words a tool result, a shorter
 `--budget`: 8 hops then pass it), with `generator.context_policy` `cut` and `elide`. `--network` runs the preset as one mesh, as two DiLoCo
 islands (half the prompts a step each, under one lighthouse) and with two outside rollout workers
@@ -44,12 +44,8 @@ from meshrl.trainer.islands import serve_lighthouse
 
 REPO = Path(__file__).resolve().parents[1]
 PRESET = REPO / "configs" / "horizon.toml"
-ARMS = {
-    "rl": ["--loss.replay.weight", "0", "--loss.sdpo.weight", "0"],
-    "sdpo": ["--loss.replay.weight", "0"],
-    "replay": ["--loss.sdpo.weight", "0"],
-    "all": [],
-}
+REPLAY, SDPO = ["--loss.replay.weight", "0.1"], ["--loss.sdpo.weight", "0.05"]
+ARMS = {"rl": [], "sdpo": SDPO, "replay": REPLAY, "all": [*REPLAY, *SDPO]}  # the preset is RL alone
 
 
 def start(out: Path, seed: int, extra: list[str]) -> subprocess.Popen:
@@ -209,9 +205,9 @@ def main() -> None:
 
     path = root / f"results_{key}.json"
     kept = {(r[key], r["seed"]): r for r in json.loads(path.read_text())} if args.reuse and path.exists() else {}
-    if args.network and (arms_path := root / "results_arm.json").exists():  # the arm `all` is the one-mesh run
+    if args.network and (arms_path := root / "results_arm.json").exists():  # the arm `rl` is the one-mesh run
         kept.update({(r["arm"], r["seed"]): {**r, key: r["arm"]} for r in json.loads(arms_path.read_text())
-                     if r["arm"] in ("all", "warm start")})  # fmt: skip
+                     if r["arm"] in ("rl", "warm start")})  # fmt: skip
     results = []
 
     def add(row: dict) -> None:
@@ -250,7 +246,7 @@ def main() -> None:
     print(f"plot: {plot_path}")
 
 
-NETWORK = {"islands": islands, "workers": with_workers, "all": train}  # "all": the arm of the same name
+NETWORK = {"islands": islands, "workers": with_workers, "rl": train}  # "rl": the arm of the same name
 
 
 def run_config_value(section: str, key: str) -> Any:

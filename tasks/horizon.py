@@ -2,8 +2,10 @@
 
 The question names the chain's first key; each key's result names the next one among decoys
 (`use "q", not "x", not "Z"`; with `shuffle`, in random order), and the last key's result holds the
-value the assistant answers with. An episode of `hops` hops is `hops` lookups and an answer: `hops + 1`
-turns, every one of which the policy must get right. Keys are single letters (one token), so the
+digit the assistant answers with (quoted, one token as the keys are: the task asks the policy to
+follow and copy, not to respell a number; guessing it pays nothing, as the reward below says). An
+episode of `hops` hops is `hops` lookups and an answer: `hops + 1` turns, every one of which the
+policy must get right. Keys are single letters (one token), so the
 tiny model can copy them; `decoys` sets how many wrong keys each result offers and `filler_words`
 pads each result with that many words, so an episode's tokens can pass the run's budget and the
 context policy has to act.
@@ -13,8 +15,8 @@ context policy has to act.
     assistant  <tool_call>{"name": "lookup", "arguments": {"key": "k"}}</tool_call>
     tool       use "q", not "x", not "Z"
     assistant  <tool_call>{"name": "lookup", "arguments": {"key": "q"}}</tool_call>
-    tool       value 42
-    assistant  42
+    tool       value "7"
+    assistant  7
 
 A decoy is in no store: looking one up is a tool error naming the keys offered beside it (an SDPO
 site at whatever depth it happens), from which the next turn can recover.
@@ -125,14 +127,14 @@ class HorizonTask:
         while True:
             chain = rng.sample(ascii_letters, hops)
             pool = [letter for letter in ascii_letters if letter not in chain]
-            value = str(rng.randrange(10, 100))
+            value = str(rng.randrange(10))  # one token, copied as the keys are
             digest = zlib.crc32(f"{''.join(chain)}={value}".encode())
             if (digest % HELD_OUT == 0) == held_out:
                 break
         store = {}
         for i, key in enumerate(chain):
             decoys = rng.sample(pool, self.decoys)
-            entries = [f'use "{chain[i + 1]}"' if i + 1 < hops else f"value {value}"]
+            entries = [f'use "{chain[i + 1]}"' if i + 1 < hops else f'value "{value}"']
             entries += [f'not "{decoy}"' for decoy in decoys]
             if self.shuffle:
                 rng.shuffle(entries)
@@ -275,8 +277,8 @@ class HorizonTask:
 
 
 def _offered(result: str) -> list[str]:
-    """The keys a result offers (the one to use and its decoys), in their order."""
-    return [part.split('"')[1] for part in result.split(";")[0].split(", ") if part.count('"') == 2]
+    """The keys a result offers (the one to use and its decoys, not the value), in their order."""
+    return [part.split('"')[1] for part in result.split(";")[0].split(", ") if part.startswith(("use ", "not "))]
 
 
 def _decoys(result: str) -> list[str]:

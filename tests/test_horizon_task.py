@@ -73,7 +73,7 @@ def test_each_result_names_the_next_key_among_decoys_in_no_fixed_place():
         chain, store = prompt.info["chain"], prompt.info["store"]
         for i, key in enumerate(chain):
             entries = store[key].split("; ")[0].split(", ")
-            right = f'use "{chain[i + 1]}"' if i + 1 < len(chain) else f"value {prompt.answer}"
+            right = f'use "{chain[i + 1]}"' if i + 1 < len(chain) else f'value "{prompt.answer}"'
             assert len(entries) == 4 and right in entries and len(store[key].split("; ")[1].split()) == 5
             assert all(e == right or (e.startswith("not ") and e[5] not in store) for e in entries)
             places.add(entries.index(right))
@@ -85,7 +85,7 @@ def test_without_shuffle_the_next_key_comes_first():
     for prompt in task.sample_prompts(random.Random(0), 10):
         chain, store = prompt.info["chain"], prompt.info["store"]
         assert [store[key].split(", ")[0] for key in chain] == [f'use "{chain[1]}"', f'use "{chain[2]}"',
-                                                                 f"value {prompt.answer}"]  # fmt: skip
+                                                                 f'value "{prompt.answer}"']  # fmt: skip
 
 
 def test_a_wrong_key_is_an_error_naming_the_keys_offered_beside_it():
@@ -94,6 +94,9 @@ def test_a_wrong_key_is_an_error_naming_the_keys_offered_beside_it():
     decoy = next(e.split('"')[1] for e in store[chain[1]].split(", ") if e.startswith("not "))
     error = task.call_tool(prompt, LOOKUP, {"key": decoy})
     assert error.is_error and f'"{chain[2]}"' in error.content and f'"{decoy}"' in error.content
+    last = next(e.split('"')[1] for e in store[chain[-1]].split(", ") if e.startswith("not "))
+    beside_value = task.call_tool(prompt, LOOKUP, {"key": last}).content  # names keys, never the value
+    assert f'"{last}"' in beside_value and prompt.answer not in beside_value
     stray = next(c for c in ascii_letters if c not in store and f'"{c}"' not in "".join(store.values()))
     assert task.call_tool(prompt, LOOKUP, {"key": stray}).content.endswith(f'start from "{chain[0]}"')
     assert task.call_tool(prompt, "bash", {"cmd": "ls"}).is_error
@@ -140,11 +143,13 @@ def test_red_team_cheats_earn_no_more_than_the_keys_they_followed(seed):
     rng = random.Random(1000 + seed)  # not the prompt's own stream, which would replay the chain
     guessed = _cheat(task, prompt, [_turn(chain[0])] + [_turn(rng.choice(letters)) for _ in range(20)])
     assert guessed <= 0.5 * 2 / 6
-    # the answer hidden in a call's arguments, or with other text around it, or every number at once
+    # the answer hidden in a call's arguments, or with other text around it, or every digit at once
     assert _cheat(task, prompt, [_turn(prompt.answer)]) == 0.0
     assert _cheat(task, prompt, [{"role": "assistant", "content": f"{prompt.answer} or 13"}]) == 0.0
-    numbers = " ".join(str(n) for n in range(10, 100))
-    assert _cheat(task, prompt, [{"role": "assistant", "content": numbers}]) == 0.0
+    digits = " ".join(str(n) for n in range(10))
+    assert _cheat(task, prompt, [{"role": "assistant", "content": digits}]) == 0.0
+    # a guessed digit with no chain followed: the value is one of ten, and a guess pays nothing
+    assert all(_cheat(task, prompt, [{"role": "assistant", "content": str(n)}]) == 0.0 for n in range(10))
     # a lucky guess of the last key (or a later one, then onward), and the value it shows answered:
     # the answer pays only after the whole chain was followed (a 16-hop policy that guessed at random
     # found the last key and answered in 2 of 32 held-out episodes before this rule)
