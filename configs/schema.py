@@ -265,8 +265,8 @@ class GeneratorConfig(Section):
     context_policy: Literal["cut", "elide"] = Field(
         "cut",
         description="An episode whose next turn would not fit its budget: 'cut' ends it (finish reason 'length', "
-        "stop 'prompt_too_long'); 'elide' replaces its oldest tool results, one at a time, by a marker the policy "
-        "sees and goes on from the shorter context (cut once nothing is left to elide). The turns sampled before "
+        "stop 'prompt_too_long'); 'elide' replaces its oldest tool results longer than the marker ('[N tokens "
+        "elided]'), one at a time, by it and goes on from the shorter context (cut once nothing is left to elide). The turns sampled before "
         "train on the context they were sampled in: the episode trains as one row per context. Outside rollout "
         "workers elide by the same rule, and the ingress verifier rebuilds each context they send.",
     )

@@ -139,7 +139,7 @@ PROMPT_TOO_LONG = "prompt_too_long"
 TOOL_FAILED = "tool_failed"
 MIN_TOOL_SHARE = 64  # tokens a result keeps however many calls share a turn's tool budget
 TRUNCATION = "\n[... {cut} characters of tool output cut: this result is capped at {cap} tokens ...]\n"
-ELIDED = "[an older tool result ({tokens} tokens) was elided to fit the context]"
+ELIDED = "[{tokens} tokens elided]"  # short: a result only shorter than its marker is never elided
 WINDOW_CHARS = 16  # characters tokenized per token a capped result keeps, at its head and its tail
 
 
@@ -289,8 +289,13 @@ class EpisodeFormat:
     def elide(self, rollout: Rollout) -> bool:
         """Replace the oldest tool results the policy still sees in full, one at a time, by a marker
         (`ELIDED`), until a turn fits; the context so far becomes a `Segment` and the episode goes on
-        from the shorter one. False (nothing changed) when eliding every result would not make room."""
-        tools = [i for i, m in enumerate(rollout.messages) if m.get("role") == "tool" and i not in rollout.elided]
+        from the shorter one. False (nothing changed) when eliding every result would not make room.
+        A result no longer than its marker stays: eliding it would lengthen the context."""
+        tools = [
+            i
+            for i, m in enumerate(rollout.messages)
+            if m.get("role") == "tool" and i not in rollout.elided and self._elision_shortens(m["content"])
+        ]
         elided = set(rollout.elided)
         for index in tools:
             elided.add(index)
@@ -301,6 +306,10 @@ class EpisodeFormat:
                 rollout.elided = elided
                 return True
         return False
+
+    def _elision_shortens(self, content: str) -> bool:
+        count = len(self.tokenizer.encode(content, add_special_tokens=False))
+        return count > len(self.tokenizer.encode(ELIDED.format(tokens=count), add_special_tokens=False))
 
     def context_ids(self, rollout: Rollout, elided: set[int]) -> list[int]:
         """The episode's context with the tool results at `elided` replaced by the marker: the prompt,

@@ -108,13 +108,12 @@ class FloodingPollTask(PollTask):
         return ToolResult(result.content + "\n" + " ".join(["file"] * 100), result.is_error)
 
 
-def test_an_elided_episode_s_length_is_its_context_without_elision():
-    """Played through the chat format with scripted turns, an episode elides twice to go on; its
-    length counts each elided result whole: the ids of its context rebuilt with nothing elided."""
+def _scripted(task: PollTask, budget: int) -> tuple[EpisodeFormat, Rollout]:
+    """An episode played through the chat format with scripted turns (a poll of each ticket in
+    turn) under `budget` tokens, eliding where it must."""
     tokenizer = build_tokenizer(512, "chatml")
-    task = FloodingPollTask(6, 6)
     prompt = task.sample_prompts(random.Random(0), 1)[0]
-    episodes = EpisodeFormat(tokenizer, task, limits=EpisodeLimits(400, 40, 128, elide=True))
+    episodes = EpisodeFormat(tokenizer, task, limits=EpisodeLimits(budget, 40, 128, elide=True))
     rollout = episodes.start(prompt)
     for version, ticket in enumerate(prompt.info["tickets"]):
         call = json.dumps({"name": "poll", "arguments": {"ticket": ticket}})
@@ -125,7 +124,31 @@ def test_an_elided_episode_s_length_is_its_context_without_elision():
         episodes.add_tool_results(rollout, calls, [episodes.call_tool(rollout, c) for c in calls])
         if not episodes.goes_on(rollout, calls):
             break
-    assert len(rollout.earlier) == 2, "the script no longer elides twice"
+    return episodes, rollout
+
+
+class TersePollTask(FloodingPollTask):
+    """Its first result is `ok` (shorter than the marker eliding it would leave), the others flood."""
+
+    def call_tool(self, prompt: Prompt, name: str, arguments: dict) -> ToolResult:
+        first = arguments.get("ticket") == prompt.info["tickets"][0]
+        return ToolResult("ok", False) if first else super().call_tool(prompt, name, arguments)
+
+
+def test_a_result_no_longer_than_the_marker_is_never_elided():
+    """Eliding a short result would lengthen the context: the episode goes on by eliding the long
+    ones alone, oldest first, past the short one."""
+    episodes, rollout = _scripted(TersePollTask(6, 6), 400)
+    tools = [i for i, m in enumerate(rollout.messages) if m["role"] == "tool"]
+    assert rollout.messages[tools[0]]["content"] == "ok" and len(rollout.earlier) >= 2
+    assert tools[0] not in rollout.elided and tools[1] in rollout.elided
+
+
+def test_an_elided_episode_s_length_is_its_context_without_elision():
+    """An episode of long results elides twice to go on; its length counts each elided result
+    whole: the ids of its context rebuilt with nothing elided."""
+    episodes, rollout = _scripted(FloodingPollTask(6, 6), 400)
+    assert len(rollout.earlier) >= 2, "the script no longer elides twice"
     full, removed = episode_tokens(rollout)
     assert full == len(episodes.context_ids(rollout, set())) and removed == full - len(rollout.token_ids) > 0
     stats = episode_stats([rollout])

@@ -148,7 +148,7 @@ def test_an_honest_elided_episode_is_accepted_as_the_contexts_the_mesh_trains_on
     checked = setup.verifier.stats.checked_tokens
     (rebuilt,) = setup.verifier.check_group(setup.prompt, 1, 0, 0, [wire(to_episode(honest))])
     assert rebuilt.segments() == honest.segments() and len(rebuilt.earlier) == 2
-    assert rebuilt.elided == honest.elided == {3, 5, 7, 9}
+    assert rebuilt.elided == honest.elided == {3, 5, 7}
     assert rebuilt.turn_ids == honest.turn_ids and rebuilt.versions == honest.versions
     assert rebuilt.reward == 1.0 and honest.reward == 0.4  # trained on the hidden answer, claimed without it
     assert all(max(i for i, m in enumerate(s.loss_mask) if m) < LIMITS.max_tokens for s in rebuilt.segments())

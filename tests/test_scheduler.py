@@ -450,7 +450,7 @@ def test_an_episode_past_its_budget_elides_old_tool_results_and_trains_as_the_co
     assert elided, "no episode outgrew its budget"
     model = AutoModelForCausalLM.from_pretrained(poll_model)
     tokenizer = AutoTokenizer.from_pretrained(poll_model)
-    marker = ELIDED.split("(")[0]
+    marker = ELIDED.split("}")[1]
     for rollout in elided:
         segments = rollout.segments()
         assert sum(sum(s.loss_mask) for s in segments) == len(rollout.versions) == sum(map(len, rollout.turn_ids))
