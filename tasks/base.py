@@ -135,7 +135,8 @@ class Demonstrating(Protocol):
 
     def demonstrations(self, rng: random.Random, n: int) -> list[TraceExample]: ...
 
-    def oracle_action(self, prompt: Prompt, messages: list[dict[str, Any]]) -> dict[str, Any]: ...
+    def oracle_action(self, prompt: Prompt, messages: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """The right next assistant message; None where the oracle abstains (no replay pair there)."""
 
 
 @runtime_checkable

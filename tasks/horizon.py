@@ -18,8 +18,9 @@ context policy has to act.
     tool       value "7"
     assistant  7
 
-A decoy is in no store: looking one up is a tool error naming the keys offered beside it (an SDPO
-site at whatever depth it happens), from which the next turn can recover.
+A decoy is in no store: looking one up is a tool error repeating the result it was offered in (an
+SDPO site at whatever depth it happens, whose hint is that result's `use "q"`), from which the next
+turn can recover.
 
 Reward, in [0, 1]:
     1.0  the last assistant message's content, stripped, is the value, and every key of the chain
@@ -162,8 +163,8 @@ class HorizonTask:
         beside = [k for k, result in store.items() if f'"{key}"' in result]
         if not beside:
             return ToolResult(f'error: no such key "{key}"; start from "{prompt.info["chain"][0]}"', is_error=True)
-        offered = [f'"{k}"' for k in _offered(store[beside[0]])]
-        return ToolResult(f'error: no such key "{key}"; keys offered beside it: {", ".join(offered)}', is_error=True)
+        offered = store[beside[0]].split(";")[0]
+        return ToolResult(f'error: no such key "{key}"; the result beside it: {offered}', is_error=True)
 
     def stops(self, prompt: Prompt, messages: list[dict[str, Any]]) -> str | None:
         """An episode gets its prompt's hops + 1 turns and `retries` more, whatever the horizon now."""
@@ -228,19 +229,28 @@ class HorizonTask:
             )
         return demos
 
-    def oracle_action(self, prompt: Prompt, messages: list[dict[str, Any]]) -> dict[str, Any]:
-        """Answer once the last key's result is shown; otherwise look the next key of the chain up."""
+    def oracle_action(self, prompt: Prompt, messages: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """Answer once the last key's result is shown; otherwise look the next key of the chain up.
+
+        None (no label, so no replay pair) once the episode left the chain, or has too few turns
+        left to finish it: there, going back to the chain's next key (no longer in view) would push
+        down the locally right action, copying the key the last result marks."""
         chain, done = prompt.info["chain"], self.reached(prompt, messages).keys
+        turns_left = prompt.info["horizon"] + 1 + self.retries - sum(m.get("role") == "assistant" for m in messages)
+        if _found(messages) != chain[:done] or turns_left < len(chain) - done + 1:
+            return None
         if done == len(chain) and messages and messages[-1].get("role") == "tool":
             return {"role": "assistant", "content": prompt.answer}
         calls = sum(len(_calls(m)) for m in messages)
-        key = chain[min(done, len(chain) - 1)]
-        return {"role": "assistant", "content": "", "tool_calls": [_lookup_call(f"call_{calls}", key)]}
+        return {"role": "assistant", "content": "", "tool_calls": [_lookup_call(f"call_{calls}", chain[done])]}
 
     def hint(self, error_kind: str, error_meta: dict[str, Any]) -> str | None:
-        if "unknown tool" in str(error_meta.get("excerpt", "")):
-            return "Hint: the only tool is lookup; call it with the key marked use."
-        return 'Hint: look up the key the last result marked "use", exactly as written.'
+        """The marked key, in the result's own words (`use "q"`), read from the error beside a decoy;
+        None where the error names no marked key. The tiny model copies quoted keys, and a hint in
+        other words was copied from instead (its teacher picked the right key at none of 25 sites)."""
+        excerpt = str(error_meta.get("excerpt", ""))
+        marked = excerpt.split("beside it: ", 1)[1] if "beside it: " in excerpt else ""
+        return next((entry for entry in marked.split(", ") if entry.startswith('use "')), None)
 
     # ------------------------------------------------------------------ the curriculum
 
@@ -276,9 +286,18 @@ class HorizonTask:
         return {"curriculum/horizon": float(horizon)}
 
 
-def _offered(result: str) -> list[str]:
-    """The keys a result offers (the one to use and its decoys, not the value), in their order."""
-    return [part.split('"')[1] for part in result.split(";")[0].split(", ") if part.startswith(("use ", "not "))]
+def _found(messages: list[dict[str, Any]]) -> list[str]:
+    """The keys an episode looked up that were found (their result no error), in order."""
+    keys, pending = [], None
+    for message in messages:
+        calls = _calls(message)
+        if calls:
+            pending = lookup_key(calls[0]) if len(calls) == 1 else "?"
+        elif message.get("role") == "tool" and pending is not None:
+            if not str(message.get("content", "")).startswith("error:"):
+                keys.append(pending)
+            pending = None
+    return keys
 
 
 def _decoys(result: str) -> list[str]:

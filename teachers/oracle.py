@@ -15,7 +15,8 @@ log = logging.getLogger(__name__)
 class OracleTeacher:
     """The task's own oracle. It needs the episode's Prompt (`context["prompt"]`), which the
     cache key does not hold, so its answers are never cached (they are free anyway). Tasks need
-    not be thread-safe, so it asks the oracle one state at a time."""
+    not be thread-safe, so it asks the oracle one state at a time. Where the oracle abstains (a
+    state it cannot label), it answers None, which is no failure: no pair is mined there."""
 
     identity = None
 
@@ -35,7 +36,7 @@ class OracleTeacher:
                 raise ValueError("no Prompt in context['prompt']")
             with self._lock:
                 answer = self._task.oracle_action(prompt, chat_messages(state_messages))
-            return parse_action(answer)
+            return None if answer is None else parse_action(answer)  # None: the oracle abstains here
         except ValueError as error:
             log.warning("teacher %s: no answer (%s)", self.name, error)
             self.stats.add(failures=1)

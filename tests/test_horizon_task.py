@@ -94,9 +94,11 @@ def test_a_wrong_key_is_an_error_naming_the_keys_offered_beside_it():
     decoy = next(e.split('"')[1] for e in store[chain[1]].split(", ") if e.startswith("not "))
     error = task.call_tool(prompt, LOOKUP, {"key": decoy})
     assert error.is_error and f'"{chain[2]}"' in error.content and f'"{decoy}"' in error.content
+    assert error.content.endswith(store[chain[1]])  # the result it sat in, the marked key with it
+    assert task.hint("tool_error", {"excerpt": error.content}) == f'use "{chain[2]}"'  # SDPO's hint: that entry
     last = next(e.split('"')[1] for e in store[chain[-1]].split(", ") if e.startswith("not "))
-    beside_value = task.call_tool(prompt, LOOKUP, {"key": last}).content  # names keys, never the value
-    assert f'"{last}"' in beside_value and prompt.answer not in beside_value
+    beside_value = task.call_tool(prompt, LOOKUP, {"key": last}).content
+    assert task.hint("tool_error", {"excerpt": beside_value}) is None  # no key is marked beside the value
     stray = next(c for c in ascii_letters if c not in store and f'"{c}"' not in "".join(store.values()))
     assert task.call_tool(prompt, LOOKUP, {"key": stray}).content.endswith(f'start from "{chain[0]}"')
     assert task.call_tool(prompt, "bash", {"cmd": "ls"}).is_error
@@ -198,7 +200,31 @@ def test_demonstrations_are_correct_episodes_with_recoveries_at_error_sites():
         chain = [t.tool_calls[0].arguments["key"] for i, t in enumerate(turns) if t.tool_calls and i + 1 not in errors]
         assert turns[-1].content.isdigit() and prompt.messages[1]["content"] == f'Follow "{chain[0]}".'
     assert 15 <= recovered <= 45
-    assert "use" in task.hint("tool_error", {"excerpt": 'error: no such key "x"'})
+    assert task.hint("tool_error", {"excerpt": 'error: no such key "x"; start from "k"'}) is None
+
+
+def test_the_oracle_labels_only_states_on_the_chain_it_can_still_finish():
+    """Off the chain, the oracle's next key is no longer in view, and labelling the state would push
+    down the locally right action (the key the last result marks): it abstains, so no pair is mined."""
+    task, prompt = _prompt(4, decoys=2)
+    chain, store = prompt.info["chain"], prompt.info["store"]
+
+    def state(*turns: Message) -> list[Message]:
+        script = iter(turns)
+        return _play(task, prompt, lambda m: next(script, None) or {"role": "assistant", "content": "stop"})[:-1]
+
+    decoy = next(e.split('"')[1] for e in store[chain[0]].split(", ") if e.startswith("not "))
+    assert task.oracle_action(prompt, state(_turn(chain[0])))["tool_calls"][0]["function"]["arguments"] == {
+        "key": chain[1]}  # fmt: skip
+    recovering = state(_turn(chain[0]), _turn(decoy))  # an error keeps the episode on the chain
+    assert task.oracle_action(prompt, recovering)["tool_calls"][0]["function"]["arguments"] == {"key": chain[1]}
+    assert task.oracle_action(prompt, state(*[_turn(k) for k in chain]))["content"] == prompt.answer
+    assert task.oracle_action(prompt, state(_turn(chain[0]), _turn(chain[2]))) is None  # jumped ahead
+    assert task.oracle_action(prompt, state(_turn(chain[1]))) is None  # started mid-chain
+    assert task.oracle_action(prompt, state(_turn(chain[0], chain[1]))) is None  # two keys in one turn
+    # 7 turns (4 hops + answer + 2 retries): after 3, the 4 left finish the chain; after 4, they cannot
+    assert task.oracle_action(prompt, state(_turn(chain[0]), _turn(decoy), _turn(decoy))) is not None
+    assert task.oracle_action(prompt, state(_turn(chain[0]), _turn(decoy), _turn(decoy), _turn(decoy))) is None
 
 
 # ---------------------------------------------------------------------- the curriculum

@@ -23,6 +23,7 @@ from meshrl.configs import load_config
 from meshrl.configs.schema import HfTeacher as HfTeacherConfig
 from meshrl.configs.schema import OpenAITeacher as OpenAITeacherConfig
 from meshrl.tasks.base import Prompt, ToolResult, task_tools
+from meshrl.tasks.horizon import HorizonTask
 from meshrl.tasks.toy import ToolTask
 from meshrl.teachers.base import TeacherStats, chat_messages
 from meshrl.teachers.cache import TeacherCache, cache_key
@@ -31,6 +32,7 @@ from meshrl.teachers.hf import HFTeacher
 from meshrl.teachers.openai_compat import OpenAITeacher, retry_after_s
 from meshrl.teachers.oracle import OracleTeacher
 from meshrl.teachers.replay import make_teachers, replay_states
+from meshrl.traces.pairs import ReplayState, mine_pairs
 from meshrl.traces.schema import ToolCall, TraceExample, Turn
 
 pytestmark = pytest.mark.network  # OpenAI-compatible endpoints served on loopback
@@ -555,6 +557,32 @@ def test_the_oracle_without_a_prompt_fails():
     oracle = OracleTeacher(CountdownTask(), name="truth")
     assert oracle.act(STATE, None) is None and oracle.act(STATE, {}) is None
     assert oracle.stats.failures == 2
+
+
+def test_an_abstaining_oracle_gives_no_action_and_no_pair_and_is_no_failure():
+    task = HorizonTask(hops=3)
+    prompt = task.sample_prompts(random.Random(0), 1)[0]
+    mid = prompt.info["chain"][1]  # started mid-chain: off the chain, where the oracle abstains
+    call = ToolCall(id="call_0", name="lookup", arguments={"key": mid})
+    turns = [Turn(role=m["role"], content=m["content"]) for m in prompt.messages]
+    turns += [
+        Turn(role="assistant", tool_calls=[call]),
+        Turn(role="tool", content=prompt.info["store"][mid], tool_call_id="call_0"),
+    ]
+    state = [t.model_dump(exclude_none=True) for t in turns]
+    oracles = [OracleTeacher(task, name=f"oracle_{i}") for i in range(2)]
+    actions = replay_states(oracles, None, [state], [{"prompt": prompt}], max_concurrent=2)[0]
+    assert actions == {"oracle_0": None, "oracle_1": None} and all(o.stats.failures == 0 for o in oracles)
+    student = ReplayState(
+        trace_id="t",
+        turn_index=len(turns),
+        state_messages=state,
+        student_action=Turn(
+            role="assistant",
+            tool_calls=[ToolCall(id="call_1", name="lookup", arguments={"key": prompt.info["chain"][2]})],
+        ),
+    )
+    assert mine_pairs(student, actions, min_agree=2) is None
 
 
 def test_the_oracle_needs_a_demonstrating_task():
