@@ -168,8 +168,10 @@ class HorizonTask:
 
     def stops(self, prompt: Prompt, messages: list[dict[str, Any]]) -> str | None:
         """An episode gets its prompt's hops + 1 turns and `retries` more, whatever the horizon now."""
-        turns = sum(m.get("role") == "assistant" for m in messages)
-        return HOP_BUDGET if turns >= prompt.info["horizon"] + 1 + self.retries else None
+        return HOP_BUDGET if self._turns_left(prompt, messages) <= 0 else None
+
+    def _turns_left(self, prompt: Prompt, messages: list[dict[str, Any]]) -> int:
+        return prompt.info["horizon"] + 1 + self.retries - sum(m.get("role") == "assistant" for m in messages)
 
     def reached(self, prompt: Prompt, messages: list[dict[str, Any]]) -> Reached:
         """Chain keys looked up in order, each alone in its turn and after the previous one's result
@@ -236,8 +238,7 @@ class HorizonTask:
         left to finish it: there, going back to the chain's next key (no longer in view) would push
         down the locally right action, copying the key the last result marks."""
         chain, done = prompt.info["chain"], self.reached(prompt, messages).keys
-        turns_left = prompt.info["horizon"] + 1 + self.retries - sum(m.get("role") == "assistant" for m in messages)
-        if _found(messages) != chain[:done] or turns_left < len(chain) - done + 1:
+        if _found(messages) != chain[:done] or self._turns_left(prompt, messages) < len(chain) - done + 1:
             return None
         if done == len(chain) and messages and messages[-1].get("role") == "tool":
             return {"role": "assistant", "content": prompt.answer}
