@@ -43,7 +43,7 @@ from string import ascii_letters
 from typing import Any
 
 from meshrl.tasks.base import Prompt, ToolResult
-from meshrl.tasks.toy import LOOKUP, LOOKUP_SCHEMA, SYSTEM, _lookup_call, lookup_key
+from meshrl.tasks.toy import LOOKUP, LOOKUP_SCHEMA, SYSTEM, _lookup_call, lookup_key, malformed_lookup
 from meshrl.traces.errors import ErrorClassifier, mark_error_sites
 from meshrl.traces.schema import ToolCall, TraceExample, Turn
 
@@ -153,11 +153,9 @@ class HorizonTask:
 
     def call_tool(self, prompt: Prompt, name: str, arguments: dict[str, Any]) -> ToolResult:
         store = prompt.info["store"]
-        if name != LOOKUP:
-            return ToolResult(f'error: unknown tool "{name}"; tools: "{LOOKUP}"', is_error=True)
-        key = arguments.get("key") if isinstance(arguments, dict) else None
-        if not isinstance(key, str):
-            return ToolResult('error: lookup needs {"key": "..."}', is_error=True)
+        if (malformed := malformed_lookup(name, arguments, "")) is not None:
+            return malformed
+        key = arguments["key"]
         if key in store:
             return ToolResult(store[key])
         beside = [k for k, result in store.items() if f'"{key}"' in result]

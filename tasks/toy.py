@@ -65,6 +65,16 @@ def lookup_key(call: dict[str, Any]) -> str | None:
     return key if isinstance(key, str) else None
 
 
+def malformed_lookup(name: str, arguments: Any, listing: str) -> ToolResult | None:
+    """The tool error of a call that is not `lookup` with a string key (`listing` appended to the
+    missing-key error: where the task points the policy), None for a well-formed one."""
+    if name != LOOKUP:
+        return ToolResult(f'error: unknown tool "{name}"; tools: "{LOOKUP}"', is_error=True)
+    if not isinstance(arguments, dict) or not isinstance(arguments.get("key"), str):
+        return ToolResult(f'error: lookup needs {{"key": "..."}}{listing}', is_error=True)
+    return None
+
+
 def _asked_keys(messages: list[dict[str, Any]]) -> list[str]:
     """Keys of the well-formed lookup calls in the conversation."""
     keys = []
@@ -147,11 +157,9 @@ class ToolTask:
 
     def call_tool(self, prompt: Prompt, name: str, arguments: dict[str, Any]) -> ToolResult:
         store = prompt.info["store"]
-        if name != LOOKUP:
-            return ToolResult(f'error: unknown tool "{name}"; tools: "{LOOKUP}"', is_error=True)
-        key = arguments.get("key") if isinstance(arguments, dict) else None
-        if not isinstance(key, str):
-            return ToolResult(f'error: lookup needs {{"key": "..."}}; keys: {_quoted(store)}', is_error=True)
+        if (malformed := malformed_lookup(name, arguments, f"; keys: {_quoted(store)}")) is not None:
+            return malformed
+        key = arguments["key"]
         if key not in store:
             return ToolResult(f'error: no such key "{key}"; keys: {_quoted(store)}', is_error=True)
         return ToolResult(store[key])
