@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 from string import ascii_letters
 from typing import Any
 
@@ -16,6 +15,7 @@ from meshrl.tasks.base import Curriculum, Demonstrating, Hinting, Prompt, Stoppi
 from meshrl.tasks.horizon import ANSWER_REWARD, HOP_BUDGET, HorizonTask
 from meshrl.tasks.toy import LOOKUP
 from meshrl.traces.collator import to_message
+from tests.episode_play import play
 
 Message = dict[str, Any]
 
@@ -31,23 +31,6 @@ def _turn(*keys: Any, name: str = LOOKUP) -> Message:
         for i, k in enumerate(keys)]}  # fmt: skip
 
 
-def _play(task: HorizonTask, prompt: Prompt, act: Callable[[list[Message]], Message]) -> list[Message]:
-    """An episode as the rollout runs it: act, answer every call, stop on a turn without calls or
-    when the task's turn budget is spent."""
-    messages = [dict(m) for m in prompt.messages]
-    for _ in range(task.max_turns):
-        action = act(messages)
-        messages.append(action)
-        if not action.get("tool_calls"):
-            break
-        for call in action["tool_calls"]:
-            result = task.call_tool(prompt, call["function"]["name"], call["function"]["arguments"])
-            messages.append({"role": "tool", "content": result.content, "tool_call_id": call["id"]})
-        if task.stops(prompt, messages):
-            break
-    return messages
-
-
 def test_implements_the_protocols():
     task = HorizonTask(hops=8, start_hops=2)
     for protocol in (Task, Demonstrating, Hinting, Stopping, Curriculum):
@@ -61,7 +44,7 @@ def test_the_oracle_follows_every_chain_to_its_value(hops):
     for prompt in task.sample_prompts(random.Random(hops), 20):
         chain, store = prompt.info["chain"], prompt.info["store"]
         assert prompt.info["horizon"] == hops and len(set(chain)) == hops == len(store)
-        messages = _play(task, prompt, lambda m, p=prompt: task.oracle_action(p, m))
+        messages = play(task, prompt, lambda m, p=prompt: task.oracle_action(p, m))
         assert sum(m["role"] == "assistant" for m in messages) == hops + 1
         assert messages[-1]["content"] == prompt.answer and task.reward(prompt, messages) == ANSWER_REWARD
 
@@ -108,7 +91,7 @@ def test_a_wrong_key_is_an_error_naming_the_keys_offered_beside_it():
 def test_partial_credit_counts_chain_keys_followed_in_order():
     task, prompt = _prompt(4)
     chain = prompt.info["chain"]
-    followed = _play(task, prompt, lambda m: _turn(chain[sum(x["role"] == "assistant" for x in m)])
+    followed = play(task, prompt, lambda m: _turn(chain[sum(x["role"] == "assistant" for x in m)])
                      if sum(x["role"] == "assistant" for x in m) < 3 else {"role": "assistant", "content": "12"})  # fmt: skip
     assert task.reward(prompt, followed) == pytest.approx(0.5 * 3 / 4)
     assert task.reward(prompt, [*prompt.messages, {"role": "assistant", "content": prompt.answer}]) == 0.0
@@ -119,7 +102,7 @@ def test_a_recovery_after_a_wrong_call_still_earns_the_answer():
     chain, store = prompt.info["chain"], prompt.info["store"]
     decoy = next(e.split('"')[1] for e in store[chain[0]].split(", ") if e.startswith("not "))
     script = iter([_turn(chain[0]), _turn(decoy), _turn(chain[1]), _turn(chain[2])])
-    messages = _play(task, prompt, lambda m: next(script, {"role": "assistant", "content": prompt.answer}))
+    messages = play(task, prompt, lambda m: next(script, {"role": "assistant", "content": prompt.answer}))
     assert task.reward(prompt, messages) == 1.0
 
 
@@ -128,7 +111,7 @@ def test_a_recovery_after_a_wrong_call_still_earns_the_answer():
 
 def _cheat(task: HorizonTask, prompt: Prompt, turns: list[Message]) -> float:
     script = iter(turns)
-    return task.reward(prompt, _play(task, prompt, lambda m: next(script, {"role": "assistant", "content": "0"})))
+    return task.reward(prompt, play(task, prompt, lambda m: next(script, {"role": "assistant", "content": "0"})))
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -169,7 +152,7 @@ def test_the_turn_budget_is_the_prompts_own_whatever_the_horizon():
     task = HorizonTask(hops=16, start_hops=2, retries=1)
     prompt = task.sample_prompts(random.Random(0), 1)[0]
     assert prompt.info["horizon"] == 2
-    messages = _play(task, prompt, lambda m: _turn(prompt.info["chain"][0]))
+    messages = play(task, prompt, lambda m: _turn(prompt.info["chain"][0]))
     assert sum(m["role"] == "assistant" for m in messages) == 2 + 1 + 1
     assert task.stops(prompt, messages) == HOP_BUDGET
 
@@ -211,7 +194,7 @@ def test_the_oracle_labels_only_states_on_the_chain_it_can_still_finish():
 
     def state(*turns: Message) -> list[Message]:
         script = iter(turns)
-        return _play(task, prompt, lambda m: next(script, None) or {"role": "assistant", "content": "stop"})[:-1]
+        return play(task, prompt, lambda m: next(script, None) or {"role": "assistant", "content": "stop"})[:-1]
 
     decoy = next(e.split('"')[1] for e in store[chain[0]].split(", ") if e.startswith("not "))
     assert task.oracle_action(prompt, state(_turn(chain[0])))["tool_calls"][0]["function"]["arguments"] == {

@@ -15,6 +15,7 @@ from meshrl.tasks.base import Demonstrating, Hinting, Prompt, Task, task_tools
 from meshrl.tasks.toy import LOOKUP, LOOKUP_SCHEMA, ToolTask
 from meshrl.traces.collator import to_message
 from meshrl.traces.schema import TraceExample
+from tests.episode_play import play
 
 Message = dict[str, Any]
 
@@ -37,20 +38,6 @@ def _prompt(seed: int = 0, **kwargs: Any) -> tuple[ToolTask, Prompt]:
 def _call(key: Any, name: str = LOOKUP, call_id: str = "call_0") -> Message:
     return {"role": "assistant", "content": "", "tool_calls": [
         {"id": call_id, "type": "function", "function": {"name": name, "arguments": {"key": key}}}]}  # fmt: skip
-
-
-def _play(task: ToolTask, prompt: Prompt, act: Callable[[list[Message]], Message]) -> list[Message]:
-    """An episode the way the rollout runs it: act, answer the calls, stop on a turn without calls."""
-    messages = [dict(m) for m in prompt.messages]
-    for _ in range(task.max_turns):
-        action = act(messages)
-        messages.append(action)
-        if not action.get("tool_calls"):
-            break
-        for call in action["tool_calls"]:
-            result = task.call_tool(prompt, call["function"]["name"], call["function"]["arguments"])
-            messages.append({"role": "tool", "content": result.content, "tool_call_id": call["id"]})
-    return messages
 
 
 def _oracle(task: ToolTask, prompt: Prompt) -> Callable[[list[Message]], Message]:
@@ -95,7 +82,7 @@ def test_rejects_impossible_settings(kwargs):
 def test_oracle_episode_scores_one():
     task = ToolTask()
     for prompt in task.sample_prompts(random.Random(1), 50):
-        messages = _play(task, prompt, _oracle(task, prompt))
+        messages = play(task, prompt, _oracle(task, prompt))
         assert [m["role"] for m in messages[2:]] == ["assistant", "tool", "assistant"]
         assert messages[-1]["content"] == prompt.answer
         assert task.reward(prompt, messages) == 1.0
@@ -149,7 +136,7 @@ def test_recovery_after_a_bad_key():
     def sloppy_first(messages: list[Message]) -> Message:
         return _call(key.upper()) if len(messages) == 2 else task.oracle_action(prompt, messages)
 
-    messages = _play(task, prompt, sloppy_first)
+    messages = play(task, prompt, sloppy_first)
     assert [m["role"] for m in messages[2:]] == ["assistant", "tool", "assistant", "tool", "assistant"]
     assert messages[3]["content"].startswith("error: no such key")
     assert messages[4]["tool_calls"][0]["id"] == "call_1"
