@@ -4,6 +4,7 @@
                                  [--out runs/horizon_bench] [-- ARGS for every run]
     python benchmarks/horizon.py --context --seeds 0 1 2 -- --max-steps 40   # cut against elide
     python benchmarks/horizon.py --network --seeds 0                          # one mesh, islands, workers
+    python benchmarks/horizon.py --merge runs/h_s0/results_arm.json runs/h_s1/results_arm.json  # seeds run apart
 
 Each seed's warm start runs once (`warm`) and every run of that seed starts RL from it; each
 (arm, seed) is then one `meshrl train @ configs/horizon.toml --seed S` (same step budget), its
@@ -182,6 +183,13 @@ def main() -> None:
     parser.add_argument("--network", action="store_true", help="one mesh, two islands, two outside workers")
     parser.add_argument("--modes", nargs="+", choices=list(NETWORK), default=list(NETWORK), help="--network: which")
     parser.add_argument("--reuse", action="store_true", help="keep the rows OUT's results file has (arm and seed)")
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        type=Path,
+        default=None,
+        help="run nothing: table and draw the rows of these results files together (seeds run apart)",
+    )
     parser.add_argument("--out", default="runs/horizon_bench")
     parser.add_argument("--plot", default=None, help="default: docs/horizon.png (docs/horizon_context.png)")
     args, passed = parser.parse_known_args()
@@ -203,6 +211,11 @@ def main() -> None:
         arms = {arm: ARMS[arm] for arm in args.arms}
         key, plot_path = "arm", args.plot or str(REPO / "docs" / "horizon.png")
 
+    if args.merge:  # every file's rows, each arm's seeds together in the order the arms first appear
+        rows = [r for file in args.merge for r in json.loads(file.read_text())]
+        arms_seen = list(dict.fromkeys(r[key] for r in rows))
+        report(sorted(rows, key=lambda r: (arms_seen.index(r[key]), r["seed"])), args, key, plot_path)
+        return
     path = root / f"results_{key}.json"
     kept = {(r[key], r["seed"]): r for r in json.loads(path.read_text())} if args.reuse and path.exists() else {}
     if args.network and (arms_path := root / "results_arm.json").exists():  # the arm `rl` is the one-mesh run
@@ -236,6 +249,11 @@ def main() -> None:
             success = {str(h): statistics.fmean(score[h] for score in scores) for h in args.horizons}
             records = RunDir(finals[0]).read_metrics()
             add({key: arm, "seed": seed, "train_s": round(seconds, 1), "success": success, **summary(records)})
+    report(results, args, key, plot_path)
+
+
+def report(results: list[dict], args: argparse.Namespace, key: str, plot_path: str) -> None:
+    """Every row as a line of the table, then the figure."""
     print(f"\ngreedy success on held-out chains ({args.n} a horizon), by {key}; every seed:")
     print(f"{key:<10} seed " + "".join(f"{h:>7}" for h in args.horizons) + "  curriculum  train_s")
     for r in results:
