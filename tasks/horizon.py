@@ -52,6 +52,7 @@ ANSWER_REWARD = 1.0
 FILLER = "the a of and to in is it that for on with as this be are was you or by from at".split()
 HELD_OUT = 5  # one chain in HELD_OUT is the eval split's, never drawn for training
 HOP_BUDGET = "hop_budget"  # the stop that ends an episode past its prompt's hops + retries turns
+BESIDE = "the result beside it: "  # a decoy's error, then the result it sat in (where `hint` reads the marked key)
 
 _CLASSIFIER = ErrorClassifier()
 
@@ -162,7 +163,7 @@ class HorizonTask:
         if not beside:
             return ToolResult(f'error: no such key "{key}"; start from "{prompt.info["chain"][0]}"', is_error=True)
         offered = store[beside[0]].split(";")[0]
-        return ToolResult(f'error: no such key "{key}"; the result beside it: {offered}', is_error=True)
+        return ToolResult(f'error: no such key "{key}"; {BESIDE}{offered}', is_error=True)
 
     def stops(self, prompt: Prompt, messages: list[dict[str, Any]]) -> str | None:
         """An episode gets its prompt's hops + 1 turns and `retries` more, whatever the horizon now."""
@@ -248,7 +249,7 @@ class HorizonTask:
         None where the error names no marked key. The tiny model copies quoted keys, and a hint in
         other words was copied from instead (its teacher picked the right key at none of 25 sites)."""
         excerpt = str(error_meta.get("excerpt", ""))
-        marked = excerpt.split("beside it: ", 1)[1] if "beside it: " in excerpt else ""
+        marked = excerpt.split(BESIDE, 1)[1] if BESIDE in excerpt else ""
         return next((entry for entry in marked.split(", ") if entry.startswith('use "')), None)
 
     # ------------------------------------------------------------------ the curriculum
