@@ -48,7 +48,7 @@ class TrainerActor(Actor):
 
     @endpoint
     def sft_step(self, shards: list[dict[str, Any]]) -> dict[str, float]:
-        return self.core.sft_step(shards[self.rank])
+        return self.core.sft_step(shards, self.rank)
 
     @endpoint
     def start_rl(self) -> None:

@@ -37,7 +37,7 @@ def main() -> None:
         core = TrainerCore(config, str(ensure_tiny(Path(tmp) / "model", config.model.tiny)))
         params = sum(p.numel() for p in core.model.parameters())
         ids = torch.arange(1, 9)[None]
-        core.sft_step({"input_ids": ids, "loss_mask": torch.ones_like(ids)})
+        core.sft_step([{"input_ids": ids, "loss_mask": torch.ones_like(ids)}])
         sync, snapshot, background = [], [], []
         for i in range(args.repeats):
             start = time.perf_counter()

@@ -21,8 +21,8 @@ OUT/results_<mode>.json; the figure, every seed a thin line and the arm's mean a
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -36,6 +36,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+import preset_runs  # benchmarks/, beside this script
 
 from meshrl.configs.run_record import run_config
 from meshrl.ingress.keys import generate_keys
@@ -49,34 +50,10 @@ REPLAY, SDPO = ["--loss.replay.weight", "0.1"], ["--loss.sdpo.weight", "0.05"]
 ARMS = {"rl": [], "sdpo": SDPO, "replay": REPLAY, "all": [*REPLAY, *SDPO]}  # the preset is RL alone
 
 
-def start(out: Path, seed: int, extra: list[str]) -> subprocess.Popen:
-    """One `meshrl train` of the preset, its log beside `out`."""
-    log = (out.parent / f"{out.name}.log").open("w")
-    args = [sys.executable, "-m", "meshrl.cli.main", "train", "@", str(PRESET), "--output-dir", str(out),
-            "--overwrite", "--seed", str(seed), "--metrics.progress", "plain", *extra]  # fmt: skip
-    return subprocess.Popen(args, cwd=REPO, stdout=log, stderr=log, env={**os.environ, "RUST_LOG": "warn"})
-
-
-def finish(out: Path, proc: subprocess.Popen) -> None:
-    if proc.wait() != 0:
-        raise SystemExit(f"{out}: meshrl train exited {proc.returncode}; see {out.parent / f'{out.name}.log'}")
-
-
-def train(out: Path, seed: int, extra: list[str]) -> float:
-    """One `meshrl train` of the preset, waited for; its wall seconds."""
-    began = time.time()
-    finish(out, start(out, seed, extra))
-    return time.time() - began
-
-
-def warm(root: Path, seed: int, common: list[str]) -> Path:
-    """The seed's warm start, shared by its runs: the preset's demonstrations, then one RL step at a
-    learning rate of 1e-30 (no weight moves) so the run exports `final/`. Its runs start from that
-    export with fresh AdamW moments, as the preset's own RL does (`warm_start_keep_optimizer = false`)."""
-    out = root / f"warm_seed{seed}"
-    if not (out / "final" / "config.json").exists():
-        train(out, seed, [*common, "--max-steps", "1", "--trainer.lr", "1e-30", "--eval.interval", "0"])
-    return out / "final"
+start = functools.partial(preset_runs.start, [PRESET])
+train = functools.partial(preset_runs.train, [PRESET])
+warm = functools.partial(preset_runs.warm, [PRESET])
+finish = preset_runs.finish
 
 
 def islands(out: Path, seed: int, extra: list[str]) -> float:

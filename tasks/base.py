@@ -143,7 +143,9 @@ class Demonstrating(Protocol):
 class Hinting(Protocol):
     """Tasks that can hint at a tool error's fix (the SDPO teacher's privileged context)."""
 
-    def hint(self, error_kind: str, error_meta: dict[str, Any]) -> str | None: ...
+    def hint(self, error_kind: str, error_meta: dict[str, Any]) -> str | None:
+        """The hint at an error site: `error_meta` holds the error's `tool_name` and `excerpt`, and the
+        episode's `trace_id` (a run's rollout: its prompt id). None: no hint, no SDPO row there."""
 
 
 @runtime_checkable

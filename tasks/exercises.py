@@ -214,15 +214,17 @@ def informative(exercise: Exercise, solve: Callable[..., Any]) -> bool:
 
 
 def problem(task_id: str, family: str, exercise: Exercise, solve: Callable[..., Any]) -> dict[str, Any]:
-    """The exercise in HumanEval's form (and its family's name): the docstring shows the first
-    input's result, `check` asserts the others' (the hidden tests), with `solve` the reference."""
+    """The exercise in HumanEval's form (and its family's name, and the docstring's example call and
+    result): the docstring shows the first input's result, `check` asserts the others' (the hidden
+    tests), with `solve` the reference."""
     example, hidden = exercise.inputs[0], exercise.inputs[1:]
     call = f"{exercise.name}({', '.join(map(repr, example))})"
     prompt = (f'def {exercise.name}{exercise.signature}:\n    """{exercise.doc}\n    >>> {call}\n'
               f'    {solve(*example)!r}\n    """\n')  # fmt: skip
     asserts = "".join(f"    assert candidate(*{args!r}) == {solve(*args)!r}\n" for args in hidden)
     return {"task_id": task_id, "prompt": prompt, "canonical_solution": exercise.body,
-            "test": f"def check(candidate):\n{asserts}", "entry_point": exercise.name, "family": family}  # fmt: skip
+            "test": f"def check(candidate):\n{asserts}", "entry_point": exercise.name, "family": family,
+            "example": call, "expected": repr(solve(*example))}  # fmt: skip
 
 
 def exercises(seed: int, count: int, tiers: tuple[int, ...]) -> list[dict[str, Any]]:
@@ -250,7 +252,8 @@ def exercises(seed: int, count: int, tiers: tuple[int, ...]) -> list[dict[str, A
 
 class ExercisesTask(FunctionTask):
     """`count` exercises of the `tiers` from `seed` (every fifth held out); one turn by default,
-    `run_python = True` to let the policy test its code in the sandbox before it answers."""
+    `run_python = True` to let the policy test its code in the sandbox before it answers (its
+    demonstrations then run the example, `recovery_rate` of them after a bugged run)."""
 
     def __init__(
         self,
@@ -261,10 +264,12 @@ class ExercisesTask(FunctionTask):
         max_turns: int = 3,
         run_python: bool = False,
         sandbox: dict[str, Any] | None = None,
+        recovery_rate: float = 0.5,
     ) -> None:
         unknown = sorted(set(tiers) - set(FAMILIES))
         if unknown or not tiers:
             raise ValueError(f"task.kwargs.tiers {list(tiers)}: a non-empty list of {sorted(FAMILIES)}")
         if count < 5:
             raise ValueError(f"task.kwargs.count {count}: at least 5 (every fifth exercise is held out)")
-        super().__init__(exercises(seed, count, tuple(tiers)), split, max_turns, run_python, sandbox)
+        problems = exercises(seed, count, tuple(tiers))
+        super().__init__(problems, split, max_turns, run_python, sandbox, recovery_rate)

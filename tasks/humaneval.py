@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import builtins
 import copy
+import functools
 import random
 import re
 import sys
@@ -40,12 +41,14 @@ from typing import Any
 
 from meshrl.configs.schema import SandboxConfig
 from meshrl.sandbox import Run, make_sandbox
+from meshrl.tasks import function_demos
 from meshrl.tasks.base import Ending, Prompt, Score, ToolResult
 from meshrl.tasks.parsing import literal
+from meshrl.traces.errors import ErrorClassifier, mark_error_sites
 from meshrl.traces.schema import TraceExample, Turn
 
 SOURCE = "meshrl.tasks.humaneval"  # the demonstrations' trace source
-RUN_PYTHON = "run_python"
+RUN_PYTHON = function_demos.RUN_PYTHON
 SYSTEM = (
     "You write Python. You can run code with the run_python tool (it returns the exit status, stdout "
     "and stderr; no network, no files but your own). When you are done, answer with the complete "
@@ -101,6 +104,7 @@ def main(source, entry, calls):
     print("\\n" + RESULTS + repr(results))  # on a line of its own, whatever the answer printed
 """
 
+CLASSIFIER = ErrorClassifier()
 FENCED = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
 
 
@@ -269,11 +273,15 @@ class FunctionTask:
         max_turns: int = 4,
         run_python: bool = True,
         sandbox: dict[str, Any] | None = None,
+        recovery_rate: float = 0.5,
     ) -> None:
         if split not in ("train", "test", "all"):
             raise ValueError(f"task.kwargs.split {split!r}: one of 'train', 'test', 'all'")
         if max_turns < 1:
             raise ValueError("task.kwargs.max_turns must be at least 1")
+        if not 0.0 <= recovery_rate <= 1.0:
+            raise ValueError(f"task.kwargs.recovery_rate {recovery_rate}: a fraction in [0, 1]")
+        self.recovery_rate = recovery_rate
         self.problems = {p["task_id"]: p for p in problems}
         held_out = {task_id for i, task_id in enumerate(self.problems) if i % 5 == 0}
         self.eval_ids = [task_id for task_id in self.problems if task_id in held_out]
@@ -351,16 +359,34 @@ class FunctionTask:
         problem = self.problems[prompt.answer]
         return {"role": "assistant", "content": f"```python\n{problem['prompt']}{problem['canonical_solution']}```"}
 
+    def hint(self, error_kind: str, error_meta: dict[str, Any]) -> str | None:
+        """The reference function, at an error site of an episode of one of these problems (its trace
+        id is the prompt id): SDPO's teacher sees it before the recovery turn. Like the oracle's
+        answer, it reaches the policy only as a training target, never in a prompt or a tool result."""
+        problem = self.problems.get(str(error_meta.get("trace_id", "")).split("#")[0])
+        if problem is None:
+            return None
+        return f"A function that passes the tests:\n```python\n{problem['prompt']}{problem['canonical_solution']}```"
+
     def demonstrations(self, rng: random.Random, n: int) -> list[TraceExample]:
-        """The prompts `sample_prompts` draws from the same rng state, each answered at once with
-        its canonical solution (for `trainer.warm_start_steps`)."""
+        """The prompts `sample_prompts` draws from the same rng state (for `trainer.warm_start_steps`).
+        With `run_python` and a problem that shows an example (the exercises), each runs its reference
+        on the example and answers with it, `recovery_rate` of them after a bugged run that failed
+        (`meshrl.tasks.function_demos`); otherwise each is answered at once with its reference."""
         demos = []
         for prompt in self.sample_prompts(rng, n):
+            problem = self.problems[prompt.answer]
             turns = [Turn(role=m["role"], content=m["content"]) for m in prompt.messages]
-            answer = Turn(role="assistant", content=self.oracle_action(prompt, prompt.messages)["content"])
-            demos.append(
-                TraceExample(trace_id=prompt.prompt_id, source=SOURCE, turns=[*turns, answer], final_reward=1.0)
-            )
+            episode = None
+            if self.tools and "example" in problem:
+                recover = rng.random() < self.recovery_rate
+                call_tool = functools.partial(self.call_tool, prompt)
+                episode = function_demos.episode_turns(problem, call_tool, rng, recover)
+            if episode is None:
+                episode = [Turn(role="assistant", content=self.oracle_action(prompt, prompt.messages)["content"])]
+            turns += episode
+            mark_error_sites(turns, CLASSIFIER)
+            demos.append(TraceExample(trace_id=prompt.prompt_id, source=SOURCE, turns=turns, final_reward=1.0))
         return demos
 
 

@@ -44,7 +44,7 @@ def _gradients(core: TrainerCore) -> tuple[dict[str, torch.Tensor], dict[str, fl
               (batch, "rl"), (dpo_batch(2, vocab), "aux"), (sdpo_batch(3, vocab, [4, 2]), "aux")]  # fmt: skip
     for data, kind in passes:
         if kind == "sft":
-            core.sft_step(data)  # the warm start steps the model: its gradient is the step it took
+            core.sft_step([data])  # the warm start steps the model: its gradient is the step it took
             continue
         loss, _, _ = core._loss(data, 12.0 if kind == "rl" else None)
         loss.backward()

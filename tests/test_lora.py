@@ -140,7 +140,7 @@ def test_the_lora_reference_is_the_policy_rl_starts_from_and_resumes(tmp_path, d
     core = TrainerCore(config, path)
     vocab = core.model.config.vocab_size
     for _ in range(5):
-        core.sft_step(_sft_batch(core.model))
+        core.sft_step([_sft_batch(core.model)])
     assert core._loss(dpo_batch(3, vocab))[1]["replay/margin"] != 0  # the base is not where RL starts
     core.start_rl()
     assert core._loss(dpo_batch(3, vocab))[1]["replay/margin"] == 0

@@ -56,7 +56,7 @@ def poll_model(tmp_path_factory) -> str:
     collator = TraceCollator(tokenizer)
     demos = PollTask(1, 6).demonstrations(random.Random(0), 60 * 32)
     for i in range(60):
-        core.sft_step(collator(demos[i * 32 : (i + 1) * 32]).batch)
+        core.sft_step([collator(demos[i * 32 : (i + 1) * 32]).batch])
     core.model.save_pretrained(root / "sft")
     tokenizer.save_pretrained(root / "sft")
     return str(root / "sft")

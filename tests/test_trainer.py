@@ -93,7 +93,7 @@ def test_two_rank_step_matches_one_rank_and_checkpoints_round_trip(tmp_path, par
     warm = [rl_batch(single.model, 5), rl_batch(single.model, 6)]  # one SFT batch per rank
     warm = [{"input_ids": b["input_ids"], "loss_mask": b["loss_mask"]} for b in warm]
     # the warm start runs at its own rate (trainer.lr, warm_start_lr unset), outside the warm-up schedule
-    assert single.sft_step({k: torch.cat([b[k] for b in warm]) for k in warm[0]})["lr"] == 1e-3
+    assert single.sft_step([{k: torch.cat([b[k] for b in warm]) for k in warm[0]}])["lr"] == 1e-3
     single.start_rl()  # the DPO reference becomes the warm-started policy
     before = {k: v.clone() for k, v in single.weights().items()}
     # Rank 0 gets two micro-batches, two replay pairs and one SDPO row of 2 recovery tokens; rank 1 one

@@ -62,7 +62,7 @@ def test_rl_starts_with_fresh_adamw_moments_unless_kept(tmp_path):
     config = load_config([*QWEN_TIED, "--loss.replay.weight", "0.5", "--trainer.warm_start_lr", "0.003"])
     model_path = str(ensure_tiny(tmp_path / "model", config.model.tiny))
     core = TrainerCore(config, model_path)
-    core.sft_step(_sft_batch(core.model))
+    core.sft_step([_sft_batch(core.model)])
     assert core.optimizer.state  # the warm start's moments
     core.start_rl()
     assert not core.optimizer.state
@@ -72,7 +72,7 @@ def test_rl_starts_with_fresh_adamw_moments_unless_kept(tmp_path):
     assert {int(s["step"]) for s in core.optimizer.state.values()} == {1}  # AdamW counts from RL's first step
 
     kept = TrainerCore(load_config([*QWEN_TIED, "--trainer.warm_start_keep_optimizer", "true"]), model_path)
-    kept.sft_step(_sft_batch(kept.model))
+    kept.sft_step([_sft_batch(kept.model)])
     moments = {id(p): s["exp_avg"].clone() for p, s in kept.optimizer.state.items()}
     kept.start_rl()
     assert {id(p) for p in kept.optimizer.state} == moments.keys()
@@ -229,3 +229,26 @@ def test_a_resume_trains_with_the_optimizer_settings_its_config_changed(tmp_path
     group = changed.optimizer.param_groups[0]
     assert group["weight_decay"] == 0.5 and tuple(group["betas"]) == (0.5, 0.9)
     assert changed.train_step([[rl_batch(core.model, 2)]], [None], 10)["lr"] == pytest.approx(1e-2 * 3 / 4)
+
+
+def test_the_warm_start_runs_in_micro_batches_and_takes_the_step_the_whole_batch_takes(tmp_path):
+    """Right-padded rows of different lengths and loss tokens: cut into micro-batches of one or two
+    rows (a 24-token budget), the step equals one pass over the batch (a 4096-token budget)."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 256, (4, 12), generator=g)
+    attention = torch.tensor([[1] * n + [0] * (12 - n) for n in (12, 5, 9, 3)])
+    loss = attention.clone()
+    loss[:, :2] = 0
+    batch = {"input_ids": ids, "attention_mask": attention, "loss_mask": loss}
+    steps = {}
+    for budget in ("24", "4096"):
+        config = load_config([*QWEN_TIED, "--trainer.micro_batch_tokens", budget, "--trainer.warm_start_lr", "0.01"])
+        model_path = str(ensure_tiny(tmp_path / "model", config.model.tiny))
+        core = TrainerCore(config, model_path)
+        before = {k: v.clone() for k, v in core.model.state_dict().items()}
+        metrics = core.sft_step([batch])
+        steps[budget] = ({k: v - before[k] for k, v in core.model.state_dict().items()}, metrics["loss/sft"])
+    (cut, cut_loss), (whole, whole_loss) = steps["24"], steps["4096"]
+    assert cut_loss == pytest.approx(whole_loss, rel=1e-5)
+    for name, step in whole.items():  # AdamW's first step is about lr x sign(grad): 0.01 where the gradient is not ~0
+        torch.testing.assert_close(cut[name], step, rtol=0, atol=1e-4)

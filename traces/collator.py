@@ -131,7 +131,7 @@ class TraceCollator:
     """Collate trace examples into RL/SFT, SDPO and replay-DPO tensors.
 
     `hint_generator(error_kind, error_meta) -> hint text | None` turns on SDPO rows (one per
-    error site); `pack_tokens` packs RL rows first-fit-decreasing into rows of at most that
+    error site; `error_meta` is the site's ErrorMeta and the trace's `trace_id`); `pack_tokens` packs RL rows first-fit-decreasing into rows of at most that
     many tokens with per-sample position ids (else rows are right-padded with an attention
     mask); `max_seq_len` truncates (see the module docstring); `tools` (OpenAI function schemas,
     the task's) are rendered by the chat template as they were when the policy sampled.
@@ -348,7 +348,7 @@ class TraceCollator:
             for k, turn in enumerate(ex.turns):
                 if turn.role != "assistant" or turn.tool_error is None:
                     continue
-                meta = turn.error_meta.model_dump() if turn.error_meta else {}
+                meta = {**(turn.error_meta.model_dump() if turn.error_meta else {}), "trace_id": ex.trace_id}
                 hint = self.hint_generator(turn.tool_error, meta)
                 if hint is None:
                     continue

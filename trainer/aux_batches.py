@@ -1,4 +1,4 @@
-"""A rank's replay or SDPO batch cut into micro-batches that `trainer.micro_batch_tokens` bounds.
+"""A rank's replay, SDPO or warm-start batch cut into micro-batches that `trainer.micro_batch_tokens` bounds.
 
 The collator builds one batch per rank and channel. A step of long agentic episodes has tens of
 error sites (a student row and a teacher row each) or pairs (a chosen and a rejected row) that are
@@ -29,7 +29,9 @@ class Columns:
     left: bool
 
 
+SFT = ""  # the warm start's batch: its keys have no channel prefix; a unit is a row
 COLUMNS = {
+    SFT: (Columns(SFT, ("attention_mask",), left=False),),
     "dpo_": (
         Columns("dpo_chosen_", ("dpo_chosen_attention_mask",), left=False),
         Columns("dpo_rejected_", ("dpo_rejected_attention_mask",), left=False),
@@ -47,7 +49,10 @@ class AuxMicroBatch:
 
 
 def unit_counts(channel: str, batch: dict[str, Tensor]) -> Tensor:
-    """What each unit adds to its channel's count: 1 a DPO pair, its recovery tokens an SDPO site."""
+    """What each unit adds to its channel's count: 1 a DPO pair, its recovery tokens an SDPO site,
+    its assistant tokens a warm-start row."""
+    if channel == SFT:
+        return batch["loss_mask"].sum(1).long().cpu()
     if channel == "dpo_":
         return torch.ones(len(batch["dpo_chosen_input_ids"]), dtype=torch.long)
     return sdpo_targets(batch).sum(1).long().cpu()

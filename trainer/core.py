@@ -55,7 +55,7 @@ from meshrl.loss_adapters.logprobs import sequence_token_logprobs
 from meshrl.models.chat_templates import renderer_template
 from meshrl.trainer.activations import enable_checkpointing
 from meshrl.trainer.attention import use_document_attention
-from meshrl.trainer.aux_batches import aux_micro_batches
+from meshrl.trainer.aux_batches import SFT, aux_micro_batches
 from meshrl.trainer.checkpoint import CheckpointWriter, TrainerState, own_copy, write_checkpoint
 from meshrl.trainer.router import RouterStats, real_tokens
 
@@ -517,9 +517,12 @@ class TrainerCore:
                 for ref, param in zip(self.ref_model.parameters(), self.model.parameters(), strict=True):
                     ref.copy_(param)
 
-    def sft_step(self, batch: dict[str, Any]) -> dict[str, float]:
+    def sft_step(self, shards: list[dict[str, Any]], rank: int = 0) -> dict[str, float]:
         """Warm start: masked NLL of the assistant tokens (the collator's loss_mask), at the
-        warm-start learning rate and outside the RL schedule."""
+        warm-start learning rate and outside the RL schedule. `shards` holds every rank's batch; each
+        runs in micro-batches of whole rows within `trainer.micro_batch_tokens` (sixteen SmolLM2
+        demonstrations of a few hundred tokens in one pass held 20 GB), weighted so the gradient is
+        the mean over every rank's tokens."""
         lr = self.config.trainer.warm_start_lr or self.config.trainer.lr
         scheduled = [group["lr"] for group in self.optimizer.param_groups]
         for group in self.optimizer.param_groups:
@@ -532,10 +535,19 @@ class TrainerCore:
             logprobs = sequence_token_logprobs(model, batch["input_ids"], chunk_size, 1.0, mask, **kwargs)
             return (-(logprobs * mask).sum() / mask.sum().clamp_min(1),)
 
-        with self._autocast():
-            (loss,) = self.call(nll, _to(batch, self.device))
-        loss.backward()
-        metrics = {"loss/sft": float(loss.detach()), **self._apply(schedule=False)}
+        chunks = [aux_micro_batches(SFT, shard, self.config.trainer.micro_batch_tokens) for shard in shards]
+        total = sum(chunk.count for rank_chunks in chunks for chunk in rank_chunks)
+        counts = [chunk.count for chunk in chunks[rank]]
+        summed = 0.0
+        for i, (batch, weight) in enumerate(
+            self._passes([[c.batch for c in rank_chunks] for rank_chunks in chunks], rank)
+        ):
+            count = counts[i] if weight else 0  # FSDP2's spare passes run at weight 0
+            with self._autocast():
+                (loss,) = self.call(nll, _to(batch, self.device))
+            (loss * (self.world * count / max(1, total))).backward()
+            summed += float(loss.detach()) * count
+        metrics = {"loss/sft": summed / max(1, sum(counts)), **self._apply(schedule=False)}
         for group, value in zip(self.optimizer.param_groups, scheduled):
             group["lr"] = value
         return metrics

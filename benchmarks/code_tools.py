@@ -1,0 +1,115 @@
+"""SmolLM2's held-out pass@1 on the multi-turn code preset: as shipped, after the warm start, and
+after RL with each loss channel, over seeds.
+
+    python benchmarks/code_tools.py [--seeds 0 1 2] [--arms rl sdpo replay all] [--out runs/code_tools_bench] [-- ARGS]
+    python benchmarks/code_tools.py --merge runs/ct_s0/results.json runs/ct_s1/results.json   # seeds run apart
+
+`configs/local.toml` under `configs/smollm2_code_tools.toml` (the code exercises with `run_python`).
+Each seed's warm start runs once and every arm of that seed starts RL from its export (fresh
+AdamW moments, as the preset's own RL does); each (arm, seed) is then one `meshrl train` with the
+preset's step budget, its newest checkpoint scored by `meshrl eval --checkpoint` (the preset's
+`eval.n` held-out exercises, greedy and `eval.k` samples each, in a process of its own). Arms:
+`rl` (the preset: the RL channel alone), `sdpo` (+SDPO at the error sites of `run_python` runs,
+the hint being the reference function), `replay` (+replay DPO, the task's oracle as the teacher),
+`all` (both). Beside pass@1 each row keeps what the channel trained on: SDPO recovery tokens and
+replay pairs per step, replay's accuracy and margin, each channel's loss, tool calls and errors per
+episode. Rows go to OUT/results.json as each finishes (`--reuse` keeps finished ones).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import preset_runs  # benchmarks/, beside this script
+
+REPO = preset_runs.REPO
+PRESETS = [REPO / "configs" / "local.toml", REPO / "configs" / "smollm2_code_tools.toml"]
+REPLAY = ["--loss.replay.weight", "0.1", "--teachers.members", '[{"backend": "oracle"}]', "--teachers.min-agree", "1"]
+SDPO = ["--loss.sdpo.weight", "0.05"]
+ARMS = {"rl": [], "sdpo": SDPO, "replay": REPLAY, "all": [*REPLAY, *SDPO]}
+KEPT = ("sdpo/tokens", "replay_pairs", "replay/accuracy", "replay/margin", "loss/sdpo", "loss/replay",
+        "episode/tool_calls", "tool_errors", "reward/mean")  # fmt: skip
+
+
+def evaluate(run: Path, out: Path) -> dict[str, float]:
+    """`meshrl eval` of a run's newest checkpoint (or of the preset's model as shipped, `run` None)."""
+    where = ["--checkpoint", str(run)] if run else [arg for p in PRESETS for arg in ("@", str(p))]
+    subprocess.run([sys.executable, "-m", "meshrl.cli.main", "eval", *where, "--out", str(out)],
+                   cwd=REPO, check=True, capture_output=True)  # fmt: skip
+    result = json.loads(out.read_text())
+    return {key: result[key] for key in ("eval/pass@1", "eval/pass@4", "eval/pass_greedy") if key in result} | {
+        key.removeprefix("eval/task_metric/"): value for key, value in result.items() if "task_metric" in key
+    }
+
+
+def trained_on(run: Path) -> dict[str, float]:
+    """Per-step means over the RL steps of what each channel trained on (steps without a key count 0)."""
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in records if r.get("phase") != "warm_start" and "reward/mean" in r]
+    means = {key: statistics.fmean(r.get(key, 0.0) for r in rl) for key in KEPT}
+    tenth = max(1, len(rl) // 10)
+    means["reward first tenth"] = statistics.fmean(r["reward/mean"] for r in rl[:tenth])
+    means["reward last tenth"] = statistics.fmean(r["reward/mean"] for r in rl[-tenth:])
+    return means
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    seeds = sorted({row["seed"] for row in rows if row["seed"] is not None})
+    arms = list(dict.fromkeys(row["arm"] for row in rows))
+    lines = ["| arm | " + " | ".join(f"seed {s}" for s in seeds) + " | mean |", "|---" * (len(seeds) + 2) + "|"]
+    for arm in arms:
+        found = {row["seed"]: row["eval"]["eval/pass@1"] for row in rows if row["arm"] == arm}
+        if None in found:  # the model as shipped: one row for every seed
+            found = dict.fromkeys(seeds, found[None])
+        cells = [f"{found[s]:.3f}" if s in found else "" for s in seeds]
+        lines.append(f"| {arm} | " + " | ".join(cells) + f" | {statistics.fmean(found.values()):.3f} |")
+    return "held-out pass@1 (sampled)\n" + "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
+    parser.add_argument("--out", type=Path, default=REPO / "runs" / "code_tools_bench")
+    parser.add_argument("--reuse", action="store_true", help="keep the rows OUT/results.json already has")
+    parser.add_argument("--merge", type=Path, nargs="+", help="table these results files together instead")
+    parser.add_argument("extra", nargs="*", help="after --: arguments for every meshrl train")
+    args = parser.parse_args()
+    if args.merge:
+        print(table([row for path in args.merge for row in json.loads(path.read_text())]))
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = args.out / "results.json"
+    rows = json.loads(results.read_text()) if args.reuse and results.exists() else []
+    done = {(row["arm"], row["seed"]) for row in rows}
+
+    def keep(row: dict[str, Any]) -> None:
+        rows.append(row)
+        results.write_text(json.dumps(rows, indent=1) + "\n")
+        print(json.dumps(row), flush=True)
+
+    if ("as shipped", None) not in done:
+        keep({"arm": "as shipped", "seed": None, "eval": evaluate(None, args.out / "shipped_eval.json")})
+    for seed in args.seeds:
+        warmed = preset_runs.warm(PRESETS, args.out, seed, args.extra)
+        if ("warm start", seed) not in done:
+            keep({"arm": "warm start", "seed": seed, "eval": evaluate(warmed.parent, args.out / f"warm_{seed}.json")})
+        start_from = ["--model.path", str(warmed), "--trainer.warm_start_steps", "0"]
+        for arm in args.arms:
+            if (arm, seed) in done:
+                continue
+            run = args.out / f"{arm}_seed{seed}"
+            seconds = preset_runs.train(PRESETS, run, seed, [*start_from, *ARMS[arm], *args.extra])
+            evaluated = evaluate(run, args.out / f"{arm}_{seed}.json")
+            keep({"arm": arm, "seed": seed, "eval": evaluated, "trained_on": trained_on(run), "seconds": seconds})
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
