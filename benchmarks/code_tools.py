@@ -40,8 +40,10 @@ KEPT = ("sdpo/tokens", "replay_pairs", "replay/accuracy", "replay/margin", "loss
 def evaluate(run: Path, out: Path) -> dict[str, float]:
     """`meshrl eval` of a run's newest checkpoint (or of the preset's model as shipped, `run` None)."""
     where = ["--checkpoint", str(run)] if run else [arg for p in PRESETS for arg in ("@", str(p))]
-    subprocess.run([sys.executable, "-m", "meshrl.cli.main", "eval", *where, "--out", str(out)],
-                   cwd=REPO, check=True, capture_output=True)  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "meshrl.cli.main", "eval", *where, "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True)  # fmt: skip
+    if done.returncode != 0:
+        raise SystemExit(f"meshrl eval {' '.join(where)} exited {done.returncode}:\n{done.stderr[-3000:]}")
     result = json.loads(out.read_text())
     return {key: result[key] for key in ("eval/pass@1", "eval/pass@4", "eval/pass_greedy") if key in result} | {
         key.removeprefix("eval/task_metric/"): value for key, value in result.items() if "task_metric" in key
@@ -84,6 +86,7 @@ def main() -> None:
     if args.merge:
         print(table([row for path in args.merge for row in json.loads(path.read_text())]))
         return
+    args.out = args.out.resolve()  # the runs' processes start in the repository
     args.out.mkdir(parents=True, exist_ok=True)
     results = args.out / "results.json"
     rows = json.loads(results.read_text()) if args.reuse and results.exists() else []

@@ -47,8 +47,7 @@ def function(problem: dict[str, Any], body: str) -> str:
 def example_check(problem: dict[str, Any]) -> str:
     """Lines that call the function on the docstring's example and fail, showing what it returned,
     unless it returns the docstring's result."""
-    call, expected = problem["example"], problem["expected"]
-    return f"\nassert {call} == {expected}, {call}\nprint({PASSED!r})\n"
+    return f"\nresult = {problem['example']}\nassert result == {problem['expected']}, result\nprint({PASSED!r})\n"
 
 
 def parameters(problem: dict[str, Any]) -> list[str]:
