@@ -33,6 +33,17 @@ class Prompt:
     info: dict[str, Any] = field(default_factory=dict)
 
 
+def prompt_id_of(problem: str, draw: int | None) -> str:
+    """A prompt's id: the problem's own for an evaluation prompt; for a training draw, then `#` and
+    the draw's 32 bits, so two draws of one problem are two groups."""
+    return problem if draw is None else f"{problem}#{draw:08x}"
+
+
+def problem_of(prompt_id: str) -> str:
+    """The problem a `prompt_id_of` id names."""
+    return prompt_id.split("#", 1)[0]
+
+
 @dataclass
 class ToolResult:
     """A tool turn's text, and whether the tool failed (an SDPO error site follows a failure)."""

@@ -42,7 +42,7 @@ from typing import Any
 from meshrl.configs.schema import SandboxConfig
 from meshrl.sandbox import Run, make_sandbox
 from meshrl.tasks import function_demos
-from meshrl.tasks.base import Ending, Prompt, Score, ToolResult
+from meshrl.tasks.base import Ending, Prompt, Score, ToolResult, problem_of, prompt_id_of
 from meshrl.tasks.parsing import literal
 from meshrl.traces.errors import ErrorClassifier, mark_error_sites
 from meshrl.traces.schema import TraceExample, Turn
@@ -311,8 +311,9 @@ class FunctionTask:
             {"role": "system", "content": SYSTEM if self.tools else ONE_TURN},
             {"role": "user", "content": f"Complete this function:\n\n```python\n{problem['prompt']}```"},
         ]
-        prompt_id = task_id if draw is None else f"{task_id}#{draw:08x}"
-        return Prompt(prompt_id=prompt_id, messages=messages, answer=task_id, info={"problem": task_id})
+        return Prompt(
+            prompt_id=prompt_id_of(task_id, draw), messages=messages, answer=task_id, info={"problem": task_id}
+        )
 
     def call_tool(self, prompt: Prompt, name: str, arguments: dict[str, Any]) -> ToolResult:
         if name != RUN_PYTHON:
@@ -363,7 +364,7 @@ class FunctionTask:
         """The reference function, at an error site of an episode of one of these problems (its trace
         id is the prompt id): SDPO's teacher sees it before the recovery turn. Like the oracle's
         answer, it reaches the policy only as a training target, never in a prompt or a tool result."""
-        problem = self.problems.get(str(error_meta.get("trace_id", "")).split("#")[0])
+        problem = self.problems.get(problem_of(str(error_meta.get("trace_id", ""))))
         if problem is None:
             return None
         return f"A function that passes the tests:\n```python\n{problem['prompt']}{problem['canonical_solution']}```"

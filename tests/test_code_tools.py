@@ -12,7 +12,7 @@ import pytest
 
 from meshrl.models.tiny import build_tokenizer
 from meshrl.tasks import function_demos
-from meshrl.tasks.base import Ending, Prompt, task_tools
+from meshrl.tasks.base import Ending, Prompt, problem_of, task_tools
 from meshrl.tasks.exercises import ExercisesTask
 from meshrl.traces.collator import TraceCollator, to_message
 
@@ -51,7 +51,7 @@ def test_demonstrations_run_the_example_in_the_sandbox_fix_a_failed_run_and_answ
     demos = task.demonstrations(random.Random(0), 24)
     recovered = 0
     for demo in demos:
-        prompt = task.prompt(demo.trace_id.split("#")[0])
+        prompt = task.prompt(problem_of(demo.trace_id))
         assert score(task, prompt, [to_message(t) for t in demo.turns]) == 1.0
         tools = [t for t in demo.turns if t.role == "tool"]
         assert not tools[-1].is_error and tools[-1].content.split("--- stdout\n")[1].startswith("passed")

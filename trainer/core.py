@@ -202,6 +202,16 @@ def grad_buckets(grads: list[torch.Tensor], cap_bytes: int) -> list[list[torch.T
     return [b for b in buckets if b]
 
 
+@dataclass(frozen=True)
+class UnitPass:
+    """One forward/backward pass of a channel's units: its micro-batch, the units it counts (0 on
+    FSDP2's spare passes) and what its loss is scaled by before backward."""
+
+    batch: dict[str, Any]
+    count: int
+    scale: float
+
+
 class Weighted:
     """A step's metrics, each a mean over some items (tokens, pairs, ranks) and their count,
     reduced over every rank: a token fraction is over all the step's tokens, not a mean of
@@ -412,6 +422,23 @@ class TrainerCore:
             passes += [(spare, 0.0)] * (max(len(shard) for shard in shards) - len(passes))
         return passes
 
+    def _unit_passes(self, channel: str, parts: list[dict[str, Any]], rank: int) -> tuple[list[UnitPass], int]:
+        """Rank `rank`'s passes over a channel's units (replay pairs, SDPO sites, warm-start rows),
+        given every rank's batch of that channel in `parts`: micro-batches of whole units within
+        `trainer.micro_batch_tokens`, and the units' count over all ranks. A pass's loss is the mean
+        over its own units; scaled by its share of that count, the ranks' averaged gradients are the
+        mean over all of them, as one rank holding every unit in one batch would compute."""
+        budget = self.config.trainer.micro_batch_tokens
+        chunks = [aux_micro_batches(channel, part, budget) if part else [] for part in parts]
+        total = sum(chunk.count for rank_chunks in chunks for chunk in rank_chunks)
+        counts = [chunk.count for chunk in chunks[rank]]
+        passes = self._passes([[chunk.batch for chunk in rank_chunks] for rank_chunks in chunks], rank)
+        units = []
+        for i, (batch, weight) in enumerate(passes):
+            count = counts[i] if weight else 0  # FSDP2's spare passes run at weight 0
+            units.append(UnitPass(batch, count, self.world * count / max(1, total)))
+        return units, total
+
     def train_step(
         self,
         rl_shards: list[list[dict[str, Any]]],
@@ -443,23 +470,15 @@ class TrainerCore:
                         weighted.add(name, float(value), float(counts.get(name, tokens)))
         if any(rl_shards):
             weighted.add("loss/rl", rank_loss, 1.0)  # the step's loss: the ranks' mean (DDP averages their gradients)
-        budget = self.config.trainer.micro_batch_tokens
         for channel in self._aux_channels():
             parts = [{k: v for k, v in (a or {}).items() if k.startswith(channel)} for a in aux_shards]
-            chunks = [aux_micro_batches(channel, part, budget) if part else [] for part in parts]
-            # A micro-batch's loss is the mean over its own pairs (DPO) or recovery tokens (SDPO); weighted
-            # by its share of the step's count, the ranks' averaged gradients are the mean over all of them,
-            # as one rank holding every unit in one batch would compute (the RL channel's global token count, too).
-            total = sum(chunk.count for rank_chunks in chunks for chunk in rank_chunks)
-            counts = [chunk.count for chunk in chunks[rank]]
-            shards = [[chunk.batch for chunk in rank_chunks] for rank_chunks in chunks]
-            for i, (batch, weight) in enumerate(self._passes(shards, rank)):
-                count = counts[i] if weight else 0  # FSDP2's spare passes run at weight 0
-                loss, out, _ = self._loss(batch)
-                (loss * (self.world * count / max(1, total))).backward()
-                for name, value in out.items() if count else ():
+            passes, total = self._unit_passes(channel, parts, rank)
+            for unit_pass in passes:
+                loss, out, _ = self._loss(unit_pass.batch)
+                (loss * unit_pass.scale).backward()
+                for name, value in out.items() if unit_pass.count else ():
                     if name not in ("loss/total", "sdpo/tokens"):
-                        weighted.add(name, float(value), count)
+                        weighted.add(name, float(value), unit_pass.count)
             if channel == "sdpo_" and total:
                 sdpo_tokens = float(total)  # every rank knows every rank's count
         metrics = weighted.reduced(self.world)
@@ -535,19 +554,13 @@ class TrainerCore:
             logprobs = sequence_token_logprobs(model, batch["input_ids"], chunk_size, 1.0, mask, **kwargs)
             return (-(logprobs * mask).sum() / mask.sum().clamp_min(1),)
 
-        chunks = [aux_micro_batches(SFT, shard, self.config.trainer.micro_batch_tokens) for shard in shards]
-        total = sum(chunk.count for rank_chunks in chunks for chunk in rank_chunks)
-        counts = [chunk.count for chunk in chunks[rank]]
-        summed = 0.0
-        for i, (batch, weight) in enumerate(
-            self._passes([[c.batch for c in rank_chunks] for rank_chunks in chunks], rank)
-        ):
-            count = counts[i] if weight else 0  # FSDP2's spare passes run at weight 0
+        summed, counted = 0.0, 0
+        for unit_pass in self._unit_passes(SFT, shards, rank)[0]:
             with self._autocast():
-                (loss,) = self.call(nll, _to(batch, self.device))
-            (loss * (self.world * count / max(1, total))).backward()
-            summed += float(loss.detach()) * count
-        metrics = {"loss/sft": summed / max(1, sum(counts)), **self._apply(schedule=False)}
+                (loss,) = self.call(nll, _to(unit_pass.batch, self.device))
+            (loss * unit_pass.scale).backward()
+            summed, counted = summed + float(loss.detach()) * unit_pass.count, counted + unit_pass.count
+        metrics = {"loss/sft": summed / max(1, counted), **self._apply(schedule=False)}
         for group, value in zip(self.optimizer.param_groups, scheduled):
             group["lr"] = value
         return metrics

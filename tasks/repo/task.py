@@ -24,7 +24,7 @@ from typing import Any
 
 from meshrl.configs.schema import SandboxConfig
 from meshrl.sandbox import Workspace, make_sandbox
-from meshrl.tasks.base import Ending, Prompt, Score, ToolResult
+from meshrl.tasks.base import Ending, Prompt, Score, ToolResult, prompt_id_of
 from meshrl.tasks.repo import scoring, tools
 from meshrl.tasks.repo.build import (
     RepoTask,
@@ -152,8 +152,9 @@ class RepoFixTask:
             f"fix it so that every test passes. Run the tests with `python3 -m unittest {source.test_module}`."
         )
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
-        prompt_id = task_id if draw is None else f"{task_id}#{draw:08x}"
-        return Prompt(prompt_id=prompt_id, messages=messages, answer=task_id, info={"problem": task_id})
+        return Prompt(
+            prompt_id=prompt_id_of(task_id, draw), messages=messages, answer=task_id, info={"problem": task_id}
+        )
 
     def swe_instances(self) -> list[dict[str, Any]]:
         """Every task as a SWE-bench-style instance: `patch` fixes the bug (the gold patch), `bug_patch`
