@@ -1,7 +1,9 @@
 """Compose a RunConfig from defaults, `@ file.toml` presets and dotted CLI overrides.
 
 Sources apply left to right: later presets deep-merge over earlier ones, overrides over
-both; free-form dicts (`task.kwargs`, `loss.kwargs`) are replaced whole, so `{}` clears them.
+both. Free-form dicts (`task.kwargs`, `loss.kwargs`) deep-merge too, keeping their keys verbatim;
+an empty table (`{}`) clears one, and a source that names another factory (`task.import_path`,
+`loss.import_path`) starts its kwargs afresh: the earlier ones were another function's.
 Every leaf remembers where it was set, so a validation error names the key *and* the file (or
 the command line) it came from; an unknown key also the union member that refused it (with where
 its tag was set) and the nearest valid key. Over a run's own resolved config (`before`), a source
@@ -55,13 +57,35 @@ def _merge(
 ) -> None:
     for key, value in src.items():
         path = (*prefix, key)
-        if isinstance(value, dict) and isinstance(dst.get(key), dict) and key not in FREE_FORM:
+        if isinstance(value, dict) and isinstance(dst.get(key), dict) and (value or key not in FREE_FORM):
             _merge(dst[key], value, origin, where, path)
             continue
         dst[key] = value
-        for known in [p for p in where if p[: len(path)] == path]:
-            del where[known]
+        _forget(where, path)
         _record(value, origin, where, path)
+
+
+def _forget(where: dict[tuple[str, ...], Origin], path: tuple[str, ...]) -> None:
+    for known in [p for p in where if p[: len(path)] == path]:
+        del where[known]
+
+
+# Sections whose `kwargs` are the keyword arguments of the function their `import_path` names.
+FACTORY_SECTIONS = ("task", "loss")
+
+
+def _drop_replaced_factory_kwargs(
+    merged: dict[str, Any], src: dict[str, Any], where: dict[tuple[str, ...], Origin]
+) -> None:
+    """A source naming another factory than the merged one drops the kwargs set so far (another
+    function's), so that they are not merged into the new one's."""
+    for section in FACTORY_SECTIONS:
+        new, old = (s.get(section) if isinstance(s, dict) else None for s in (src, merged))
+        if not (isinstance(new, dict) and isinstance(old, dict)) or "import_path" not in new:
+            continue
+        if new["import_path"] != old.get("import_path") and "kwargs" in old:
+            del old["kwargs"]
+            _forget(where, (section, "kwargs"))
 
 
 def _record(value: Any, origin: Origin, where: dict[tuple[str, ...], Origin], path: tuple[str, ...]) -> None:
@@ -331,6 +355,7 @@ def load_config(
     merged: dict[str, Any] = {}
     where: dict[tuple[str, ...], Origin] = {}
     for order, (origin, partial) in enumerate([*before, *parse_sources(args or [])]):
+        _drop_replaced_factory_kwargs(merged, partial, where)
         _merge(merged, copy.deepcopy(partial), (order, origin), where)  # later sources must not edit it
     if only is not None:
         merged = {key: value for key, value in merged.items() if key in only}

@@ -18,6 +18,7 @@ from meshrl.configs.schema import HfTeacher, OpenAITeacher, RunConfig
 from meshrl.models.gguf import gguf_file, is_gguf
 from meshrl.sandbox.bwrap import bwrap_program
 from meshrl.sandbox.core import SandboxUnavailable
+from meshrl.tasks.base import task_kwargs
 
 # A hub id as huggingface_hub accepts it: `name` or `org/name`.
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -37,6 +38,10 @@ def preflight(config: RunConfig) -> None:
     check_output_dir(config.output_dir)
     if config.ingress.bind is not None:
         check_port_free("ingress.bind", config.ingress.bind)
+    try:  # typed as the task's factory takes them, so the run's record holds `8`, not "8"
+        config.task.kwargs = task_kwargs(config.task)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     sandbox = config.task.kwargs.get("sandbox")
     if isinstance(sandbox, dict) and sandbox.get("backend", "bwrap") == "bwrap":
         try:

@@ -16,7 +16,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from meshrl.configs.imports import import_object
+from meshrl.configs.imports import checked_kwargs, import_object
 from meshrl.configs.schema import TaskConfig
 from meshrl.traces.schema import TraceExample
 
@@ -173,9 +173,19 @@ class Curriculum(Protocol):
 
 
 def make_task(config: TaskConfig) -> Task:
-    """The task factory named by `task.import_path`, called with `task.kwargs`."""
+    """The task factory named by `task.import_path`, called with `task.kwargs` as its signature takes
+    them (`task_kwargs`)."""
+    return task_factory(config)(**task_kwargs(config))
+
+
+def task_factory(config: TaskConfig) -> Any:
     try:
-        factory = import_object(config.import_path)
+        return import_object(config.import_path)
     except ValueError as exc:
         raise ValueError(f"task.import_path: {exc}") from None
-    return factory(**config.kwargs)
+
+
+def task_kwargs(config: TaskConfig) -> dict[str, Any]:
+    """`task.kwargs` checked against the factory's signature and coerced to its annotations: a name
+    it does not take, or a value of the wrong type, is a ValueError of one line naming the key."""
+    return checked_kwargs(config.import_path, task_factory(config), config.kwargs, "task.kwargs")

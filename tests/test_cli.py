@@ -256,6 +256,28 @@ def test_a_start_that_would_fail_is_refused_in_one_line_and_leaves_no_run_direct
     assert len(result.stderr.strip().splitlines()) == 1 and not out.exists()
 
 
+REPO_FIX = ["@", str(LOCAL), "@", str(REPO / "configs" / "repo_fix.toml")]
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["@", str(LOCAL), "--task.kwargs.n_keys", "3", "--task.kwargs.max_turns", "many"],
+         "task.kwargs.max_turns: 'many' does not fit meshrl.tasks.toy:ToolTask's max_turns: int"),
+        (["@", str(LOCAL), "--task.kwargs.n-keys", "3"], "task.kwargs.n-keys: meshrl.tasks.toy:ToolTask takes no 'n-keys'"),
+        ([*REPO_FIX, "--task.kwargs.per_module", "4", "--task.kwargs.tries", "eight"],
+         "task.kwargs.tries: 'eight' does not fit meshrl.tasks.repo.task:RepoFixTask's tries: int"),
+        ([*REPO_FIX, "--task.kwargs.modules", "colorsys"], "task.kwargs.modules: 'colorsys' does not fit"),
+        ([*REPO_FIX, "--task.kwargs.per_modules", "4"], "did you mean 'per_module'?"),
+    ],
+)  # fmt: skip
+def test_a_mistyped_task_kwarg_is_refused_in_one_line_naming_it_and_the_task(tmp_path, args, needle):
+    out = tmp_path / "run"
+    result = meshrl("train", *args, "--output-dir", str(out), cwd=tmp_path)
+    assert result.returncode == 2 and needle in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not out.exists()
+
+
 def test_a_busy_port_is_refused_before_anything_starts(tmp_path):
     import socket
 

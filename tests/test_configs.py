@@ -695,11 +695,40 @@ def test_union_tag_fields_have_description():
 # Config traps a user met (issue #11 item 12): each was accepted and silently did the wrong thing.
 
 
-def test_task_kwargs_from_the_command_line_replace_the_presets():
+def test_task_kwargs_merge_over_the_presets_and_start_afresh_for_another_task():
     local = ["@", str(CONFIGS / "local.toml")]
-    assert load_config(local).task.kwargs  # the toy's kwargs
+    toy = load_config(local).task.kwargs
+    assert toy  # the toy's kwargs
+    two = load_config([*local, "--task.kwargs.n_keys", "3", "--task.kwargs.max_turns", "2"]).task.kwargs
+    assert two == {**toy, "n_keys": "3", "max_turns": "2"}  # both kept, over the preset's (typed later: make_task)
     assert load_config([*local, "--task.kwargs", "{}"]).task.kwargs == {}
-    assert load_config([*local, "--task.kwargs", '{"n_keys": 3}']).task.kwargs == {"n_keys": 3}
+    # nested tables merge too: the preset's sandbox limits stay beside an override of one of them
+    code = [*local, "@", str(CONFIGS / "smollm2_code_tools.toml")]
+    merged = load_config([*code, "--task.kwargs.sandbox.wall_time_s", "30"]).task.kwargs
+    assert merged["sandbox"] == {"pool_size": 2, "wall_time_s": "30"} and merged["max_turns"] == 4
+    # the code preset names another factory: the toy's kwargs from local.toml are not merged into it
+    assert "guess_rate" not in merged and "n_keys" not in merged
+    # over a run's own resolved config too (a resume with another task starts its kwargs afresh)
+    resolved = [("run", load_config(local).model_dump(mode="json"))]
+    other = load_config(["--task.import-path", "meshrl.tasks.horizon:HorizonTask"], before=resolved)
+    assert other.task.kwargs == {}
+
+
+@pytest.mark.parametrize(
+    ("presets", "overrides", "typed"),
+    [
+        (["local.toml"], ["--task.kwargs.n_keys", "3", "--task.kwargs.max_turns", "2"], {"n_keys": 3, "max_turns": 2}),
+        (["local.toml", "repo_fix.toml"], ["--task.kwargs.tries", "8", "--task.kwargs.per_module", "4"],
+         {"tries": 8, "per_module": 4, "max_turns": 50}),
+    ],
+)  # fmt: skip
+def test_two_task_kwarg_overrides_merge_and_arrive_typed_as_the_factory_takes_them(presets, overrides, typed):
+    from meshrl.tasks.base import task_kwargs
+
+    config = load_config([word for name in presets for word in ("@", str(CONFIGS / name))] + overrides)
+    kwargs = task_kwargs(config.task)
+    assert kwargs.items() >= typed.items()  # both overrides, as ints, beside the presets' other kwargs
+    assert len(kwargs) > len(typed)
 
 
 def test_no_flag_negates_a_boolean():
