@@ -14,10 +14,11 @@ import pytest
 
 from meshrl.tasks.base import Ending, Episodic
 from meshrl.tasks.repo import tools
-from meshrl.tasks.repo.build import load_source, source_tests
+from meshrl.tasks.repo.build import source_tests
 from meshrl.tasks.repo.demos import solution_session, unique_context
 from meshrl.tasks.repo.mutations import OPERATORS, apply, sites
 from meshrl.tasks.repo.scoring import new_capabilities
+from meshrl.tasks.repo.sources import load_source
 from meshrl.tasks.repo.task import RepoFixTask
 from meshrl.traces import TraceExample
 from meshrl.traces.claude_code import ingest_claude_code

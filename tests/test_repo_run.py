@@ -55,6 +55,7 @@ def test_the_repository_preset_trains_and_its_held_out_split_evaluates(tmp_path)
                            capture_output=True, text=True, timeout=600, cwd=REPO)  # fmt: skip
     assert build.returncode == 0, build.stderr[-3000:]
     instances = [json.loads(line) for line in swe.read_text().splitlines()]
-    assert {i["repo"] for i in instances} == {"colorsys", "getopt", "more_itertools.recipes"}
+    assert {i["repo"] for i in instances} == {"python/cpython", "more-itertools"}  # sources, not modules
+    assert {i["source"]["module"] for i in instances} == {"colorsys.py", "getopt.py", "more_itertools/recipes.py"}
     for instance in instances:
         assert instance["patch"].startswith("diff --git a/") and json.loads(instance["FAIL_TO_PASS"])

@@ -1,7 +1,7 @@
 """Fix-the-failing-tests tasks built from real code and its real tests, offline and cached.
 
-A source is a pure-Python module of the standard library with its own `test_<module>.py` (the
-interpreter meshrl runs on ships both; nothing is fetched). Each task is that module with one
+A source (`sources`) is a pure-Python module with its own unittest suite: of the standard library
+(the interpreter meshrl runs on ships both; nothing is fetched) or of a repository. Each task is that module with one
 injected bug (`mutations`), kept only when some tests that pass on the original fail on it:
 those are its FAIL_TO_PASS tests, the ones that pass on both its PASS_TO_PASS (SWE-bench's names).
 The tests run in the sandbox, one program per run (`runner.run_tests`). The original runs twice:
@@ -16,8 +16,6 @@ import hashlib
 import json
 import os
 import random
-import sysconfig
-import tarfile
 import tempfile
 import time
 from collections.abc import Sequence
@@ -30,8 +28,9 @@ from meshrl.sandbox.copies import readable_copies
 from meshrl.sandbox.view import standard_library
 from meshrl.tasks.repo.mutations import Mutation, apply, sites
 from meshrl.tasks.repo.runner import TestRun, run_tests
+from meshrl.tasks.repo.sources import Source
 
-BUILD_VERSION = 7  # bumped whenever what a build makes changes: older caches are not read
+BUILD_VERSION = 8  # bumped whenever what a build makes changes: older caches are not read
 
 
 @dataclass(frozen=True)
@@ -48,103 +47,12 @@ class RepoTask:
     pass_to_pass: tuple[str, ...]
 
 
-@dataclass
-class Source:
-    """A module under test and the repository it lives in: `path` (the module's file), `test_path`
-    (its unittest suite) and `files` (every other file the tests need, the package's own modules
-    among them). `module` names the source: task ids, splits and the build cache use it."""
-
-    module: str
-    code: str
-    tests: str
-    path: str = ""
-    test_path: str = ""
-    extra: dict[str, str] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.path = self.path or f"{self.module}.py"
-        self.test_path = self.test_path or f"tests/test_{self.module}.py"
-        self.extra = self.extra or {"tests/__init__.py": ""}
-
-    @property
-    def test_module(self) -> str:
-        """The tests' dotted name, as `python3 -m unittest` takes it."""
-        return self.test_path.removesuffix(".py").replace("/", ".")
-
-    @property
-    def import_name(self) -> str:
-        return self.path.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
-
-    def files(self, code: str | None = None) -> dict[str, str]:
-        """The repository: the module (or `code` in its place), its tests and the rest."""
-        return {**self.extra, self.path: self.code if code is None else code, self.test_path: self.tests}
-
-    def buggy(self, task: RepoTask) -> str:
-        """The module with the task's bug (the task holds the one line that differs)."""
-        lines = self.code.splitlines(keepends=True)
-        ending = lines[task.line - 1][len(task.original_line) :]
-        lines[task.line - 1] = task.buggy_line + ending
-        return "".join(lines)
-
-
-def load_source(module: str) -> Source:
-    """The standard library's `module.py` and `test/test_module.py`; a clear error when either is missing."""
-    lib = Path(sysconfig.get_paths()["stdlib"])
-    code, tests = lib / f"{module}.py", lib / "test" / f"test_{module}.py"
-    for path in (code, tests):
-        if not path.is_file():
-            raise ValueError(
-                f"task.kwargs.modules: {module!r} needs {path}, which this interpreter does not ship "
-                "(a pure-Python standard library module with its tests)"
-            )
-    return Source(module, code.read_text(), tests.read_text())
-
-
-MAX_REPO_BYTES = 8 << 20  # a repository source's Python files in all
-
-
-def repo_specs(repos: list[dict[str, str]] | None) -> list[dict[str, str]]:
-    """`task.kwargs.repos`, checked: each a table of `repo`, `module` and `tests` (strings)."""
-    specs = []
-    for i, spec in enumerate(repos or []):
-        if (
-            not isinstance(spec, dict)
-            or set(spec) != {"repo", "module", "tests"}
-            or not all(isinstance(v, str) for v in spec.values())
-        ):
-            raise ValueError(f"task.kwargs.repos[{i}]: a table of repo, module and tests (strings), got {spec!r}")
-        specs.append(spec)
-    return specs
-
-
-def repository_source(repo: str, module: str, tests: str) -> Source:
-    """`module` (a path such as `more_itertools/recipes.py`) of the repository `repo` (a directory,
-    or a source distribution `.tar.gz` as `pip download --no-binary :all:` saves it), its unittest
-    suite `tests`, and every other `.py` file of the repository but `setup.py` and `docs/` (at most
-    MAX_REPO_BYTES). Errors name the kwarg and what is missing."""
-    where = Path(repo).expanduser()
-    if where.is_dir():
-        found = {str(p.relative_to(where)): p.read_bytes() for p in sorted(where.rglob("*.py"))}
-    elif where.is_file() and where.name.endswith((".tar.gz", ".tgz")):
-        with tarfile.open(where) as archive:
-            members = [m for m in archive.getmembers() if m.isfile() and m.name.endswith(".py")]
-            top = os.path.commonpath([m.name for m in members]) if members else ""
-            found = {os.path.relpath(m.name, top): archive.extractfile(m).read() for m in members}
-    else:
-        raise ValueError(f"task.kwargs.repos: {repo!r} is neither a directory nor a .tar.gz source distribution "
-                         "(the set-up installs the preset's: make setup)")  # fmt: skip
-    found = {name: data for name, data in found.items() if name != "setup.py" and not name.startswith("docs/")}
-    if sum(len(data) for data in found.values()) > MAX_REPO_BYTES:
-        raise ValueError(f"task.kwargs.repos: {repo!r} holds over {MAX_REPO_BYTES >> 20} MiB of Python")
-    for name in (module, tests):
-        if name not in found:
-            raise ValueError(f"task.kwargs.repos: {repo!r} has no {name!r}")
-    files = {name: data.decode("utf-8") for name, data in found.items()}
-    if "/" in tests:  # the tests' folder imports as a package (`python3 -m unittest tests.test_x`)
-        files.setdefault(f"{tests.rsplit('/', 1)[0]}/__init__.py", "")
-    name = module.removesuffix(".py").replace("/", ".")
-    extra = {k: v for k, v in files.items() if k not in (module, tests)}
-    return Source(name, files[module], files[tests], module, tests, extra)
+def buggy_code(source: Source, task: RepoTask) -> str:
+    """The module with the task's bug (the task holds the one line that differs)."""
+    lines = source.code.splitlines(keepends=True)
+    ending = lines[task.line - 1][len(task.original_line) :]
+    lines[task.line - 1] = task.buggy_line + ending
+    return "".join(lines)
 
 
 def answer_key(source: Source, python: str) -> list[Path]:
@@ -189,6 +97,16 @@ class BuildStats:
     no_test_broke: int = 0
     no_report: int = 0
     by_operator: dict[str, int] = field(default_factory=dict)
+    left_out: dict[str, str] = field(default_factory=dict)  # tests in neither list: test id -> why
+
+    def said(self) -> str:
+        """The build's line for the module: what it kept, and which tests it left out and why."""
+        line = f"{self.kept} kept of {self.tried} mutations tried ({self.tests} tests"
+        if self.left_out:
+            named = ", ".join(f"{test.rsplit('.', 1)[-1]} ({why})" for test, why in list(self.left_out.items())[:4])
+            more = f" and {len(self.left_out) - 4} more" if len(self.left_out) > 4 else ""
+            line += f"; {len(self.left_out)} left out: {named}{more}"
+        return line + ")"
 
 
 def task_id(module: str, mutation: Mutation) -> str:
@@ -214,26 +132,36 @@ def source_tests(sandbox: Sandbox, source: Source, code: str | None = None, hidd
     return run_tests(sandbox, source.files(code), source.test_module, source.import_name, hidden)
 
 
-def expected_observations(sandbox: Sandbox, source: Source, hidden: Sequence[Path] = ()) -> dict[str, str]:
+LEFT_OUT = {"fail": "fails on the original here", "skip": "skipped here", "unstable": "observes differently run to run"}
+
+
+def expected_observations(
+    sandbox: Sandbox, source: Source, hidden: Sequence[Path] = ()
+) -> tuple[dict[str, str], dict[str, str]]:
     """Test id -> digest of every test that passes on the original twice with the same observations,
     run as the reward runs them (`hidden`: the answer key unreadable; a test that starts a fresh
-    interpreter on the library's copy of the module fails there, so it is in neither list); a clear
-    error when the module's own tests do not run here (or run another copy of it)."""
+    interpreter on the library's copy of the module fails there, so it is in neither list), and
+    test id -> why of the others; a clear error when the module's own tests do not run here (or run
+    another copy of it)."""
     runs = [source_tests(sandbox, source, hidden=hidden) for _ in range(2)]
     where = f"/work/{source.path}"
     for run in runs:
         if run.tests is None or run.load_error or run.module_file != where:
             raise ValueError(
-                f"task.kwargs.modules: {source.module!r}'s own tests do not run here (load error "
+                f"{source.key}: {source.module!r}'s own tests do not run here (load error "
                 f"{run.load_error}, {run.error or 'a report'}, module imported from {run.module_file}, not {where})"
             )
     first, second = runs
-    expected = {test: digest for test, (outcome, digest) in sorted(first.tests.items())
-                if outcome == "pass" and second.tests.get(test) == (outcome, digest)}  # fmt: skip
+    expected, left_out = {}, {}
+    for test, (outcome, digest) in sorted(first.tests.items()):
+        if outcome == "pass" and second.tests.get(test) == (outcome, digest):
+            expected[test] = digest
+        else:
+            left_out[test] = LEFT_OUT["unstable" if outcome == "pass" else outcome]
     if not expected:
-        raise ValueError(f"task.kwargs: {source.module!r}: {source.test_path} gave no passing unittest test "
+        raise ValueError(f"{source.key}: {source.module!r}: {source.test_path} gave no passing unittest test "
                          "(suites are run with unittest: pytest-style test functions are not collected)")  # fmt: skip
-    return expected
+    return expected, left_out
 
 
 def build_module(
@@ -243,7 +171,7 @@ def build_module(
     counts those whose tests ran: a batch at a time, until `keep` are kept), and the module's
     expected observations; every run with `hidden` unreadable, as the reward runs the tests."""
     stats = BuildStats(source.module)
-    expected = expected_observations(sandbox, source, hidden)
+    expected, stats.left_out = expected_observations(sandbox, source, hidden)
     passing = list(expected)
     stats.tests = len(passing)
     candidates = sites(source.code)
@@ -297,7 +225,7 @@ def build_tasks(
                 keep,
                 sandbox.config.cpu_time_s,
                 sandbox.config.wall_time_s,
-                [(s.module, s.path, s.test_path, s.code, s.tests, s.extra) for s in sources.values()],
+                [(s.module, s.path, s.test_path, s.code, s.tests, s.extra, s.added) for s in sources.values()],
                 {module: sorted(map(str, paths)) for module, paths in sorted((answer_keys or {}).items())},
             ]
         ).encode()  # fmt: skip
@@ -316,8 +244,12 @@ def build_tasks(
         built, module_stats, expected[source.module] = build_module(sandbox, source, seed, tries, keep, hidden)
         tasks += built
         stats.append(module_stats)
-        print(f"repository tasks: {source.module}: {module_stats.kept} kept of {module_stats.tried} mutations tried "
-              f"({module_stats.tests} tests, {time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
+        print(
+            f"repository tasks: {source.module}: {module_stats.said()}, {time.perf_counter() - start:.0f} s", flush=True
+        )
+        if source.left_out:
+            print(f"repository tasks: {source.module}: not carried into workspaces (not UTF-8 text): "
+                  f"{', '.join(source.left_out[:8])}{' and more' if len(source.left_out) > 8 else ''}", flush=True)  # fmt: skip
     cache.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{cache.name}.", dir=cache.parent)
     with os.fdopen(fd, "w") as out:

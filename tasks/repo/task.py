@@ -12,9 +12,6 @@ the other modules train (`split = "train"`); `"all"` is both.
 
 from __future__ import annotations
 
-import difflib
-import hashlib
-import json
 import random
 import tempfile
 import threading
@@ -26,23 +23,17 @@ from meshrl.configs.schema import SandboxConfig
 from meshrl.sandbox import Workspace, make_sandbox
 from meshrl.tasks.base import Ending, Prompt, Score, ToolResult, prompt_id_of
 from meshrl.tasks.repo import scoring, tools
-from meshrl.tasks.repo.build import (
-    RepoTask,
-    answer_key,
-    build_tasks,
-    load_source,
-    refuse_readable_copies,
-    repo_specs,
-    repository_source,
-    source_tests,
-)
+from meshrl.tasks.repo.build import RepoTask, answer_key, buggy_code, build_tasks, refuse_readable_copies, source_tests
 from meshrl.tasks.repo.demos import solution_session, solution_steps
+from meshrl.tasks.repo.export import swe_instance
+from meshrl.tasks.repo.sources import sources_of
 from meshrl.traces.claude_code import ingest_claude_code
 from meshrl.traces.schema import TraceExample, Turn
 
 MODULES = ["colorsys", "shlex", "string", "getopt", "quopri", "base64", "uu", "bisect", "fractions", "graphlib",
            "netrc"]  # fmt: skip
-EVAL_MODULES = ["graphlib", "netrc"]
+EVAL_MODULES = ["graphlib", "netrc"]  # held out by default where `modules` lists them
+NO_HELD_OUT = " (name the held-out modules, by dotted name, in task.kwargs.eval_modules)"
 # A module's whole test suite takes a tenth of a CPU second to a few: a mutation that loops is stopped
 # by CPU time, which a busy host does not change (a wall-time limit would drop other mutations there).
 BUILD_LIMITS = {"cpu_time_s": 2}
@@ -86,12 +77,9 @@ class RepoFixTask:
             raise ValueError(f"task.kwargs.split {split!r}: one of 'train', 'test', 'all'")
         if max_turns < 1:
             raise ValueError("task.kwargs.max_turns must be at least 1")
-        held_out = list(EVAL_MODULES if eval_modules is None else eval_modules)
         modules = list(MODULES if modules is None else modules)
-        sources = [repository_source(**spec) for spec in repo_specs(repos)]
-        named = {source.module for source in sources}
-        modules += [m for m in held_out if m not in modules and m not in named]
-        sources = [load_source(module) for module in modules] + sources
+        held_out = [m for m in EVAL_MODULES if m in modules] if eval_modules is None else list(eval_modules)
+        sources = sources_of(modules, held_out, repos)
         self.max_turns = max_turns
         self.tools = tools.TOOLS
         config = SandboxConfig(**(sandbox or {}))
@@ -123,9 +111,8 @@ class RepoFixTask:
             "all": [t.task_id for t in built],
         }[split]
         if not self.split_ids:
-            raise ValueError(
-                f"task.kwargs: the {split!r} split of modules {modules} (held out: {held_out}) has no tasks"
-            )
+            raise ValueError(f"task.kwargs.split: the {split!r} split of the sources {[s.module for s in sources]} "
+                             f"(held out: {held_out}) has no tasks{NO_HELD_OUT if not held_out else ''}")  # fmt: skip
         self._workspaces: dict[str, Workspace] = {}
         self._opening: dict[str, threading.Lock] = {}  # episode -> held while its workspace is made
         self._lock = threading.Lock()
@@ -140,6 +127,8 @@ class RepoFixTask:
     def eval_prompts(self, rng: random.Random, n: int) -> list[Prompt]:
         """The first `n` held-out tasks, each once, the held-out modules taking turns (`interleaved`):
         the task id is the prompt id."""
+        if not self.eval_ids:
+            raise ValueError(f"task.kwargs.eval_modules: no held-out source has tasks{NO_HELD_OUT}")
         return [self.prompt(task_id) for task_id in self.eval_ids[:n]]
 
     def prompt(self, task_id: str, draw: int | None = None) -> Prompt:
@@ -157,29 +146,12 @@ class RepoFixTask:
         )
 
     def swe_instances(self) -> list[dict[str, Any]]:
-        """Every task as a SWE-bench-style instance: `patch` fixes the bug (the gold patch), `bug_patch`
-        injects it into the source (whose files' digest is `base_commit`: the sources are not git
-        checkouts), FAIL_TO_PASS and PASS_TO_PASS as JSON lists of unittest ids."""
-        out = []
-        for task_id, task in self.tasks.items():
-            source, buggy = self.sources[task.module], self.buggy_code(task)
-            files = json.dumps(source.files(), sort_keys=True).encode()
-            out.append({
-                "instance_id": task_id,
-                "repo": source.module,
-                "base_commit": hashlib.sha256(files).hexdigest()[:40],
-                "problem_statement": self.prompt(task_id).messages[-1]["content"],
-                "patch": unified_diff(source.path, buggy, source.code),
-                "bug_patch": unified_diff(source.path, source.code, buggy),
-                "test_patch": "",
-                "FAIL_TO_PASS": json.dumps(list(task.fail_to_pass)),
-                "PASS_TO_PASS": json.dumps(list(task.pass_to_pass)),
-                "test_command": f"python3 -m unittest {source.test_module}",
-            })  # fmt: skip
-        return out
+        """Every task as a SWE-bench-style instance that names its source (`export.swe_instance`)."""
+        return [swe_instance(self.sources[task.module], task, self.prompt(task.task_id).messages[-1]["content"])
+                for task in self.tasks.values()]  # fmt: skip
 
     def buggy_code(self, task: RepoTask) -> str:
-        return self.sources[task.module].buggy(task)
+        return buggy_code(self.sources[task.module], task)
 
     def repository(self, task_id: str) -> dict[str, str]:
         """The buggy repository's files (what a workspace starts with). KeyError names a task this
@@ -343,10 +315,3 @@ def interleaved(tasks: list[RepoTask]) -> list[str]:
         by_module.setdefault(task.module, []).append(task.task_id)
     rounds = max((len(ids) for ids in by_module.values()), default=0)
     return [ids[r] for r in range(rounds) for ids in by_module.values() if r < len(ids)]
-
-
-def unified_diff(path: str, before: str, after: str) -> str:
-    """`before` -> `after` of the file `path`, as `git diff` writes a patch."""
-    lines = difflib.unified_diff(before.splitlines(keepends=True), after.splitlines(keepends=True),
-                                 f"a/{path}", f"b/{path}")  # fmt: skip
-    return f"diff --git a/{path} b/{path}\n" + "".join(lines)
