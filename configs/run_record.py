@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
 from meshrl.configs.loader import ConfigError, load_config, read_preset
-from meshrl.configs.schema import RunConfig
+from meshrl.configs.schema import FREE_FORM, RunConfig
 
 RECORD = "config.toml"
 CHANGES = "config_changes.jsonl"
@@ -76,6 +76,13 @@ def _as_source(changes: dict[str, Any]) -> dict[str, Any]:
     return nested
 
 
+def _replayed(origin: str, now: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """A resume's changes (dotted key -> value now) as sources that set each key to its value: a
+    free-form dict (`task.kwargs`) is recorded whole, and merges, so it is cleared first."""
+    cleared = {key: {} for key in now if key.rsplit(".", 1)[-1] in FREE_FORM}
+    return [(origin, _as_source(cleared))] * bool(cleared) + [(origin, _as_source(now))]
+
+
 def run_sources(run_dir: Path) -> list[tuple[str, dict[str, Any]]]:
     """The run's config as sources: its record, then each resume's recorded changes in order."""
     record = run_dir / RECORD
@@ -85,10 +92,9 @@ def run_sources(run_dir: Path) -> list[tuple[str, dict[str, Any]]]:
     if changes.exists():
         for n, line in enumerate(changes.read_text().splitlines(), 1):
             try:
-                nested = _as_source({key: change["now"] for key, change in json.loads(line)["changes"].items()})
+                sources += _replayed(f"{changes}:{n}", {k: c["now"] for k, c in json.loads(line)["changes"].items()})
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 raise ConfigError(f"{changes}:{n}: not a config change record ({exc})") from None
-            sources.append((f"{changes}:{n}", nested))
     return sources
 
 
@@ -141,8 +147,8 @@ def resume_config(config: RunConfig, sources: list[str], allow_change: bool) -> 
             f"{listed}. Drop them to continue the run as it was, or pass {ALLOW_CHANGE} to continue with them "
             f"(the change is recorded in {CHANGES})"
         )
-    line = _as_source({key: now for key, (_, now) in changes.items()})
-    replayed = load_config(before=[*so_far, (f"{run_dir / CHANGES} (this resume's line)", line)])
+    line = _replayed(f"{run_dir / CHANGES} (this resume's line)", {key: now for key, (_, now) in changes.items()})
+    replayed = load_config(before=[*so_far, *line])
     if lost := changed(replayed, resumed):
         raise ConfigError(
             f"--resume: recorded in {CHANGES}, the change would replay to another config ({', '.join(lost)}); "

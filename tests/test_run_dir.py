@@ -168,6 +168,18 @@ def test_a_run_started_with_overwrite_resumes_with_the_command_meshrl_prints(tmp
     assert config.resume and not config.overwrite and not (out / "config_changes.jsonl").exists()
 
 
+def test_resumes_that_change_task_kwargs_replay_to_the_kwargs_the_run_used(tmp_path, monkeypatch):
+    out = _recorded_run(tmp_path)
+    toy = load_config(["@", str(REPO / "configs" / "local.toml")]).task.kwargs
+    one = _resume(out, "--task.kwargs.n_keys", "2", ALLOW)  # merges over the run's kwargs
+    assert one.task.kwargs == {**toy, "n_keys": "2"}
+    two = _resume(out, "--task.kwargs", "{}", "--task.kwargs.max_turns", "2", ALLOW)  # cleared, then one key
+    assert two.task.kwargs == {"max_turns": "2"}
+    # each recorded change replays to what that resume trained with, twice over
+    assert _resume(out).task.kwargs == {"max_turns": "2"} == _eval_config(out, monkeypatch).task.kwargs
+    assert len((out / "config_changes.jsonl").read_text().splitlines()) == 2
+
+
 def test_resumes_that_swap_the_loss_replay_to_the_config_the_run_used(tmp_path, monkeypatch):
     out = _recorded_run(tmp_path, "--loss.kl-tau", "0.01")
     with pytest.raises(ConfigError, match=r"loss \{"):  # the recipe as a whole, refused without the flag
