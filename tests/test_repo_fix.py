@@ -240,6 +240,36 @@ def test_demonstrations_solve_their_tasks_and_mark_the_failing_test_run_as_an_er
     assert sited and task.hint(sited[0].tool_error, sited[0].error_meta.model_dump()) is not None
 
 
+def test_the_easy_tier_names_the_function_and_shows_a_failing_test_and_its_demonstrations_solve(cache):
+    easy = RepoFixTask(
+        modules=["colorsys"],
+        eval_modules=["getopt"],
+        tries=30,
+        per_module=8,
+        cache_dir=str(cache),
+        sandbox=SANDBOX,
+        easy=True,
+    )  # fmt: skip  (the same build, read from the cache)
+    assert easy.tasks and set(easy.tasks) <= set(colorsys_task(cache).tasks)
+    for task_id, at in easy.pointers.items():
+        repo, source = easy.tasks[task_id], easy.sources[easy.tasks[task_id].module]
+        assert at.start <= repo.line <= at.end and at.end - at.start < 40  # the bug is in the function named
+        assert source.code.splitlines()[at.start - 1].lstrip().startswith(f"def {at.name}(")
+        assert at.test_id in repo.fail_to_pass and at.test_code.strip().startswith("def test_")
+        user = easy.prompt(task_id).messages[-1]["content"]
+        assert f"`{at.name}`" in user and at.test_code.strip() in user and repo.original_line.strip() not in user
+    (demo,) = easy.demonstrations(random.Random(0), 1)
+    assert [t.tool_calls[0].name for t in demo.turns if t.role == "assistant" and t.tool_calls] == [
+        "Read",
+        "Edit",
+        "Bash",
+    ]
+    messages = [as_message(turn) for turn in demo.turns]
+    task_id = demo.trace_id.split("#")[0]
+    assert easy.score(easy.prompt(task_id), messages, Ending("agent_completed", "stop")).reward == 1.0
+    assert easy.score(easy.prompt(task_id), messages[:2], Ending("agent_completed", "stop")).reward == 0.0  # no fix
+
+
 def test_the_oracle_answers_the_scripted_solution_turn_by_turn(task):
     prompt = task.prompt(task.split_ids[0])
     first = task.oracle_action(prompt, prompt.messages)

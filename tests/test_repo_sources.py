@@ -125,7 +125,7 @@ def test_a_test_reading_a_data_file_runs_in_the_workspace_and_a_binary_one_is_na
     data_test = "tests.test_core.CoreTests.test_words_from_a_data_file"
     assert data_test in task.expected["mylib.core"]  # it passed on the original, in the sandbox
     assert stats.left_out == {"tests.test_core.CoreTests.test_a_binary_fixture": "fails on the original here"}
-    assert "1 left out: test_a_binary_fixture (fails on the original here)" in stats.said()
+    assert "1 left out: CoreTests.test_a_binary_fixture (fails on the original here)" in stats.said()
 
 
 def test_the_export_names_its_sources_and_a_script_rebuilds_and_checks_them_outside_meshrl(mine, tmp_path):

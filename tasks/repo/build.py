@@ -103,7 +103,9 @@ class BuildStats:
         """The build's line for the module: what it kept, and which tests it left out and why."""
         line = f"{self.kept} kept of {self.tried} mutations tried ({self.tests} tests"
         if self.left_out:
-            named = ", ".join(f"{test.rsplit('.', 1)[-1]} ({why})" for test, why in list(self.left_out.items())[:4])
+            named = ", ".join(
+                f"{'.'.join(test.split('.')[-2:])} ({why})" for test, why in list(self.left_out.items())[:4]
+            )
             more = f" and {len(self.left_out) - 4} more" if len(self.left_out) > 4 else ""
             line += f"; {len(self.left_out)} left out: {named}{more}"
         return line + ")"

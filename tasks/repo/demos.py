@@ -80,22 +80,30 @@ class Step:
 
 def solution_steps(task: Any, task_id: str) -> list[Step]:
     """The scripted solution of a task: run the tests, read around the bug, fix it with one Edit,
-    run the tests again, say what changed."""
+    run the tests again, say what changed; in the easy tier, read the function the prompt names,
+    fix it, run the test it shows, say what changed."""
     repo = task.tasks[task_id]
     source, buggy = task.sources[repo.module], task.buggy_code(repo)
     module = source.path
     path, test = f"/work/{module}", {"command": f"python3 -m unittest {source.test_module}",
                                      "description": "Run the module's tests"}  # fmt: skip
     old = unique_context(buggy, repo.line)
+    fix = Step(f"Line {repo.line} looks wrong: `{repo.buggy_line.strip()}` should read `{repo.original_line.strip()}`.",
+               "Edit", {"file_path": path, "old_string": old, "new_string": old.replace(repo.buggy_line, repo.original_line, 1)})  # fmt: skip
+    done = Step(f"Fixed {module} line {repo.line} ({repo.operator.replace('_', ' ')}); the tests pass.")
+    at = task.pointers.get(task_id)
+    if at is not None:  # the easy tier: read the function the prompt names, fix it, run the test shown
+        run = {"command": f"python3 -m unittest {at.test_id}", "description": "Run the failing test"}
+        return [Step(f"Let me read `{at.name}` in {module}.", "Read",
+                     {"file_path": path, "offset": at.start, "limit": at.end - at.start + 1}),
+                fix, Step("Now the test again.", "Bash", run), done]  # fmt: skip
     return [
         Step("I'll run the tests to see what fails.", "Bash", test),
         Step(f"The failure points into {module}; let me read the code around line {repo.line}.", "Read",
              {"file_path": path, "offset": max(1, repo.line - 5), "limit": 11}),
-        Step(f"Line {repo.line} looks wrong: `{repo.buggy_line.strip()}` should read `{repo.original_line.strip()}`.",
-             "Edit", {"file_path": path, "old_string": old,
-                      "new_string": old.replace(repo.buggy_line, repo.original_line, 1)}),
+        fix,
         Step("Now the tests again.", "Bash", test),
-        Step(f"Fixed {module} line {repo.line} ({repo.operator.replace('_', ' ')}); the tests pass."),
+        done,
     ]  # fmt: skip
 
 

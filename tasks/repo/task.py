@@ -26,6 +26,7 @@ from meshrl.tasks.repo import scoring, tools
 from meshrl.tasks.repo.build import RepoTask, answer_key, buggy_code, build_tasks, refuse_readable_copies, source_tests
 from meshrl.tasks.repo.demos import solution_session, solution_steps
 from meshrl.tasks.repo.export import swe_instance
+from meshrl.tasks.repo.named import pointer
 from meshrl.tasks.repo.sources import sources_of
 from meshrl.traces.claude_code import ingest_claude_code
 from meshrl.traces.schema import TraceExample, Turn
@@ -72,6 +73,7 @@ class RepoFixTask:
         per_module: int = 40,
         cache_dir: str = "~/.cache/meshrl",
         sandbox: dict[str, Any] | None = None,
+        easy: bool = False,
     ) -> None:
         if split not in ("train", "test", "all"):
             raise ValueError(f"task.kwargs.split {split!r}: one of 'train', 'test', 'all'")
@@ -103,6 +105,9 @@ class RepoFixTask:
         finally:
             builder.close()
         built, self.sources, self.build_stats, self.expected = build.tasks, build.sources, build.stats, build.expected
+        # The easy tier: the tasks whose bug is in a short function and one failing test a short method.
+        self.pointers = {t.task_id: found for t in built if easy and (found := pointer(self.sources[t.module], t))}
+        built = [t for t in built if not easy or t.task_id in self.pointers]
         self.tasks = {task.task_id: task for task in built}
         self.eval_ids = interleaved([t for t in built if t.module in held_out])
         self.split_ids = {
@@ -140,6 +145,13 @@ class RepoFixTask:
             f"Some tests in {source.test_path} fail: {failing}{more}. Find the bug in {source.path} and "
             f"fix it so that every test passes. Run the tests with `python3 -m unittest {source.test_module}`."
         )
+        if task_id in self.pointers:
+            at = self.pointers[task_id]
+            user = (
+                f"This test in {source.test_path} fails:\n```python\n{at.test_code.rstrip()}\n```\nThe bug is in the "
+                f"function `{at.name}` of {source.path} (lines {at.start}-{at.end}). Fix it so that the tests pass, "
+                f"without changing them. Run the test with `python3 -m unittest {at.test_id}`."
+            )
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
         return Prompt(
             prompt_id=prompt_id_of(task_id, draw), messages=messages, answer=task_id, info={"problem": task_id}
