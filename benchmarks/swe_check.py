@@ -30,18 +30,27 @@ import tempfile
 from pathlib import Path, PurePosixPath
 
 REPO = Path(__file__).resolve().parent.parent
-# Runs in the tree: each wanted test id's outcome (pass, fail, missing) as one JSON line.
+# Runs in the tree: each wanted test id's outcome (pass, fail, missing) as one JSON line; tests that
+# do not import all fail, as meshrl's runner counts them.
 OUTCOMES = """
 import json, sys, unittest
 wanted = set(json.loads(sys.argv[2]))
-found = {}
+found, load_failed = {}, []
 def walk(suite):
     for test in suite:
         if isinstance(test, unittest.TestSuite):
             walk(test)
+        elif type(test).__name__ == "_FailedTest":  # how unittest reports a module that did not import
+            load_failed.append(test)
         elif test.id() in wanted:
             found[test.id()] = test
-walk(unittest.defaultTestLoader.loadTestsFromName(sys.argv[1]))
+try:
+    walk(unittest.defaultTestLoader.loadTestsFromName(sys.argv[1]))
+except Exception:
+    load_failed.append(sys.argv[1])
+if load_failed:  # the tests do not even import (a bug at import time): every one of them fails
+    print(json.dumps({test_id: "fail" for test_id in wanted}))
+    raise SystemExit(0)
 outcomes = {}
 for test_id in sorted(wanted):
     if test_id not in found:
@@ -81,7 +90,7 @@ def base_tree(source: dict, sources: Path, root: Path) -> None:
     if kind == "sdist":
         with tempfile.TemporaryDirectory() as scratch, tarfile.open(sdist(source, sources, Path(scratch))) as archive:
             members = [m for m in archive.getmembers() if m.isfile()]
-            top = os.path.commonpath([m.name for m in members])
+            top = os.path.commonpath([m.name for m in members]) if len(members) > 1 else ""
             for member in members:
                 name = os.path.relpath(member.name, top)
                 if in_tree(name):
@@ -106,12 +115,18 @@ def base_tree(source: dict, sources: Path, root: Path) -> None:
 
 def apply(root: Path, patch: str) -> None:
     if patch:
-        subprocess.run(["git", "apply", "-"], cwd=root, input=patch, text=True, check=True)
+        subprocess.run(["git", "apply", "-"], cwd=root, input=patch, text=True, check=True, capture_output=True)
 
 
 def outcomes(root: Path, test_module: str, tests: list[str]) -> dict[str, str]:
-    done = subprocess.run([sys.executable, "-c", OUTCOMES, test_module, json.dumps(tests)], cwd=root,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    """The tests' outcomes in a fresh copy of the tree, as each meshrl run is: files a run before left
+    (a .pyc the tests' own subprocesses wrote, an output file) cannot stand in for the patched tree."""
+    with tempfile.TemporaryDirectory() as scratch:
+        fresh = Path(scratch) / "tree"
+        shutil.copytree(root, fresh)
+        env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+        done = subprocess.run([sys.executable, "-B", "-c", OUTCOMES, test_module, json.dumps(tests)], cwd=fresh,
+                              env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"the tests did not run: {done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -147,7 +162,10 @@ def main() -> None:
     instances = [json.loads(line) for line in args.instances.read_text().splitlines() if line.strip()]
     failed = 0
     for instance in instances[: args.first]:
-        problems = check(instance, args.sources)
+        try:
+            problems = check(instance, args.sources)
+        except (OSError, RuntimeError, subprocess.SubprocessError, tarfile.TarError, StopIteration) as exc:
+            problems = [f"not rebuilt: {type(exc).__name__}: {str(exc)[-500:]}"]
         failed += bool(problems)
         detail = "".join(f"\n     {problem}" for problem in problems)
         print(f"{'FAIL' if problems else 'ok  '} {instance['instance_id']} ({instance['repo']} {instance['version']}){detail}",

@@ -2,8 +2,9 @@
 
 Sources apply left to right: later presets deep-merge over earlier ones, overrides over
 both. Free-form dicts (`task.kwargs`, `loss.kwargs`) deep-merge too, keeping their keys verbatim;
-an empty table (`{}`) clears one, and a source that names another factory (`task.import_path`,
-`loss.import_path`) starts its kwargs afresh: the earlier ones were another function's.
+an empty table (`{}`) clears one (or a table inside one), and sources that name another factory
+(`task.import_path`, `loss.import_path`; a run of command-line overrides counts as one source) start
+its kwargs afresh: the earlier ones were another function's.
 Every leaf remembers where it was set, so a validation error names the key *and* the file (or
 the command line) it came from; an unknown key also the union member that refused it (with where
 its tag was set) and the nearest valid key. Over a run's own resolved config (`before`), a source
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import itertools
 import json
 import tomllib
 import typing
@@ -26,7 +28,7 @@ import tomli_w
 from pydantic import BaseModel, ValidationError
 
 from meshrl.configs.keys import models_in, union_tag
-from meshrl.configs.schema import FREE_FORM, RunConfig
+from meshrl.configs.schema import FREE_FORM, RunConfig, TaskConfig
 
 COMMAND_LINE = "the command line"
 
@@ -57,7 +59,8 @@ def _merge(
 ) -> None:
     for key, value in src.items():
         path = (*prefix, key)
-        if isinstance(value, dict) and isinstance(dst.get(key), dict) and (value or key not in FREE_FORM):
+        clears = not value and any(part in FREE_FORM for part in path)  # `{}` in a free-form dict replaces
+        if isinstance(value, dict) and isinstance(dst.get(key), dict) and not clears:
             _merge(dst[key], value, origin, where, path)
             continue
         dst[key] = value
@@ -70,20 +73,30 @@ def _forget(where: dict[tuple[str, ...], Origin], path: tuple[str, ...]) -> None
         del where[known]
 
 
-# Sections whose `kwargs` are the keyword arguments of the function their `import_path` names.
-FACTORY_SECTIONS = ("task", "loss")
+# Sections whose `kwargs` are the keyword arguments of the function their `import_path` names, and
+# the factory a section names when no source does.
+FACTORIES = {"task": TaskConfig.model_fields["import_path"].default, "loss": None}
+
+
+def _factories_named(sources: list[tuple[str, dict[str, Any]]]) -> dict[str, str]:
+    """Section -> the import path the last of `sources` that names one names."""
+    named = {}
+    for _, partial in sources:
+        for section in FACTORIES:
+            node = partial.get(section)
+            if isinstance(node, dict) and "import_path" in node:
+                named[section] = node["import_path"]
+    return named
 
 
 def _drop_replaced_factory_kwargs(
-    merged: dict[str, Any], src: dict[str, Any], where: dict[tuple[str, ...], Origin]
+    merged: dict[str, Any], named: dict[str, str], where: dict[tuple[str, ...], Origin]
 ) -> None:
-    """A source naming another factory than the merged one drops the kwargs set so far (another
+    """Sources naming another factory than the merged one drop the kwargs set so far (another
     function's), so that they are not merged into the new one's."""
-    for section in FACTORY_SECTIONS:
-        new, old = (s.get(section) if isinstance(s, dict) else None for s in (src, merged))
-        if not (isinstance(new, dict) and isinstance(old, dict)) or "import_path" not in new:
-            continue
-        if new["import_path"] != old.get("import_path") and "kwargs" in old:
+    for section, path in named.items():
+        old = merged.get(section)
+        if isinstance(old, dict) and "kwargs" in old and path != old.get("import_path", FACTORIES[section]):
             del old["kwargs"]
             _forget(where, (section, "kwargs"))
 
@@ -286,19 +299,23 @@ def _format_errors(exc: ValidationError, merged: dict[str, Any], where: dict[tup
 PRIME_RL_LOSS_TYPES = {"default": "dppo_kl"}
 
 
-def _prime_rl_names(merged: dict[str, Any], where: dict[tuple[str, ...], Origin]) -> None:
-    """Rename PRIME-RL's keys in place: `trainer.loss` merges over `loss`, loss types are mapped."""
-    trainer = merged.get("trainer")
+def _loss_out_of_trainer(partial: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a source (later sources must not edit it) with PRIME-RL's `trainer.loss` merged over
+    its `loss`, so that each source's loss merges (and names its factory) in the source's turn."""
+    partial = copy.deepcopy(partial)
+    trainer = partial.get("trainer")
     if isinstance(trainer, dict) and "loss" in trainer:
-        moved = {path: where.pop(path) for path in [p for p in where if p[:2] == ("trainer", "loss")]}
         loss = trainer.pop("loss")
-        if isinstance(loss, dict) and isinstance(merged.get("loss"), dict):
-            _merge(merged["loss"], loss, (0, ""), {})  # origins were moved above
+        if isinstance(loss, dict) and isinstance(partial.get("loss"), dict):
+            _merge(partial["loss"], loss, (0, ""), {})
         else:
-            merged["loss"] = loss
-        where.update({("loss", *path[2:]): origin for path, origin in moved.items()})
+            partial["loss"] = loss
         if not trainer:
-            del merged["trainer"]
+            del partial["trainer"]
+    return partial
+
+
+def _prime_rl_loss_types(merged: dict[str, Any]) -> None:
     loss = merged.get("loss")
     if isinstance(loss, dict) and loss.get("type") in PRIME_RL_LOSS_TYPES:
         loss["type"] = PRIME_RL_LOSS_TYPES[loss["type"]]
@@ -354,12 +371,17 @@ def load_config(
     defaults (where a resume's run is, before the run's config that the rest applies over is read)."""
     merged: dict[str, Any] = {}
     where: dict[tuple[str, ...], Origin] = {}
-    for order, (origin, partial) in enumerate([*before, *parse_sources(args or [])]):
-        _drop_replaced_factory_kwargs(merged, partial, where)
-        _merge(merged, copy.deepcopy(partial), (order, origin), where)  # later sources must not edit it
+    sources = [(origin, _loss_out_of_trainer(partial)) for origin, partial in [*before, *parse_sources(args or [])]]
+    for order, (origin, partial) in enumerate(sources):
+        if origin != COMMAND_LINE:
+            _drop_replaced_factory_kwargs(merged, _factories_named([(origin, partial)]), where)
+        elif order == 0 or sources[order - 1][0] != COMMAND_LINE:  # a run of overrides names its factory as one
+            run = list(itertools.takewhile(lambda source: source[0] == COMMAND_LINE, sources[order:]))
+            _drop_replaced_factory_kwargs(merged, _factories_named(run), where)
+        _merge(merged, partial, (order, origin), where)
     if only is not None:
         merged = {key: value for key, value in merged.items() if key in only}
-    _prime_rl_names(merged, where)
+    _prime_rl_loss_types(merged)
     _drop_switched_members_keys(merged, where, len(before))
     try:
         return RunConfig.model_validate(merged)

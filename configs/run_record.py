@@ -23,7 +23,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
-from meshrl.configs.loader import ConfigError, load_config, read_preset
+from meshrl.configs.loader import FACTORIES, ConfigError, load_config, read_preset
 from meshrl.configs.schema import FREE_FORM, RunConfig
 
 RECORD = "config.toml"
@@ -139,6 +139,10 @@ def resume_config(config: RunConfig, sources: list[str], allow_change: bool) -> 
     before, resumed = load_config(before=so_far), load_config(sources, before=so_far)
     _refuse_adapter_switches(run_dir, before, resumed)
     changes = changed(before, resumed)
+    for section in FACTORIES:  # another factory drops the kwargs set before it: its own are recorded with it
+        kwargs = getattr(getattr(resumed, section), "kwargs", None)
+        if f"{section}.import_path" in changes and f"{section}.kwargs" not in changes and kwargs is not None:
+            changes[f"{section}.kwargs"] = (kwargs, kwargs)
     refused = [key for key in changes if alters_training(key)]
     if refused and not allow_change:
         listed = "; ".join(f"{key} {_show(changes[key][1])} (the run's: {_show(changes[key][0])})" for key in refused)

@@ -1,5 +1,6 @@
 """Start-up checks that need no mesh, no torch and no run directory: each refusal is one line that
-names the config key and its value, within a second of `meshrl train`, before anything is written.
+names the config key and its value, within a second of `meshrl train` (and the import of the task's
+module, whose factory's signature the task kwargs are checked against), before anything is written.
 
 The checks that need the model's files (its tokenizer, its chat template, the task's tools) run in
 `Controller.__init__`, still before any mesh is spawned.
@@ -38,8 +39,8 @@ def preflight(config: RunConfig) -> None:
     check_output_dir(config.output_dir)
     if config.ingress.bind is not None:
         check_port_free("ingress.bind", config.ingress.bind)
-    try:  # typed as the task's factory takes them, so the run's record holds `8`, not "8"
-        config.task.kwargs = task_kwargs(config.task)
+    try:  # the factory gets them typed (`make_task`); the record keeps them as given, as a resume gives them
+        task_kwargs(config.task)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     sandbox = config.task.kwargs.get("sandbox")

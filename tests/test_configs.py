@@ -714,6 +714,31 @@ def test_task_kwargs_merge_over_the_presets_and_start_afresh_for_another_task():
     assert other.task.kwargs == {}
 
 
+def test_a_factory_named_anywhere_in_a_run_of_overrides_keeps_that_runs_kwargs(tmp_path):
+    local = ["@", str(CONFIGS / "local.toml")]
+    horizon = "meshrl.tasks.horizon:HorizonTask"
+    for order in (["--task.kwargs.hops", "3", "--task.import_path", horizon],
+                  ["--task.import_path", horizon, "--task.kwargs.hops", "3"]):  # fmt: skip
+        assert load_config([*local, *order]).task.kwargs == {"hops": "3"}  # the toy's dropped, the run's kept
+    kwargs_only = tmp_path / "k.toml"
+    kwargs_only.write_text("[task.kwargs]\nn_keys = 2\n")
+    toy = "meshrl.tasks.toy:ToolTask"  # the default factory, named: the same function, its kwargs stay
+    assert load_config(["@", str(kwargs_only), "--task.import_path", toy]).task.kwargs == {"n_keys": 2}
+    # `{}` inside a free-form dict clears that table too
+    code = [*local, "@", str(CONFIGS / "smollm2_code_tools.toml")]
+    assert load_config([*code, "--task.kwargs.sandbox", "{}"]).task.kwargs["sandbox"] == {}
+
+
+def test_prime_rl_trainer_loss_names_its_factory_in_its_own_turn(tmp_path):
+    first, second = tmp_path / "a.toml", tmp_path / "b.toml"
+    first.write_text('[loss]\ntype = "custom"\nimport_path = "pkg.mod:one"\nkwargs = { kl_tau = 0.1 }\n')
+    second.write_text('[trainer.loss]\ntype = "custom"\nimport_path = "pkg.mod:two"\nkwargs = { beta = 2 }\n')
+    loss = load_config(["@", str(first), "@", str(second)]).loss
+    assert loss.import_path == "pkg.mod:two" and loss.kwargs == {"beta": 2}  # not one's kl_tau
+    later = load_config(["@", str(second), "--loss.kwargs", "{}"]).loss  # a later source wins over trainer.loss
+    assert later.import_path == "pkg.mod:two" and later.kwargs == {}
+
+
 @pytest.mark.parametrize(
     ("presets", "overrides", "typed"),
     [

@@ -153,6 +153,17 @@ def test_the_export_names_its_sources_and_a_script_rebuilds_and_checks_them_outs
     assert done.returncode == 1 and "with the bug (expected fail)" in done.stdout and "digest differs" in done.stdout
 
 
+def test_a_checkout_gives_its_tracked_files_and_a_dirty_one_no_commit(mylib, tmp_path):
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(mylib), str(clone)], check=True)
+    (clone / "notes.txt").write_text("untracked")
+    source = repository_source(str(clone), "mylib/core.py", "tests/test_core.py")
+    assert source.provenance.kind == "git" and source.provenance.commit and "notes.txt" not in source.extra
+    (clone / "mylib" / "core.py").write_text(CORE.replace("return x", "return x  # edited"))
+    dirty = repository_source(str(clone), "mylib/core.py", "tests/test_core.py").provenance
+    assert dirty.kind == "directory" and dirty.commit == "" and dirty.version.endswith("-dirty")
+
+
 def test_a_module_named_twice_is_refused_naming_both_entries(mylib):
     spec = {"repo": str(mylib), "module": "mylib/core.py", "tests": "tests/test_core.py"}
     with pytest.raises(
@@ -174,11 +185,13 @@ def test_each_misleading_error_names_the_key_written_what_was_looked_for_and_a_f
         match=r"has no 'mylib/cor\.py' \(paths are relative to the repository's folder; did you mean 'mylib/core\.py'",
     ):
         repository_source(str(mylib), "mylib/cor.py", "tests/test_core.py")
-    backup = tmp_path / "with_a_copy"
-    shutil.copytree(mylib, backup)
+    backup = tmp_path / "with_a_copy"  # a folder, not a checkout: every file is read but built ones
+    shutil.copytree(mylib, backup, ignore=shutil.ignore_patterns(".git"))
     (backup / "build" / "lib" / "mylib").mkdir(parents=True)
-    shutil.copyfile(mylib / "mylib" / "core.py", backup / "build" / "lib" / "mylib" / "core.py")
-    with pytest.raises(ValueError, match=r"'build/lib/mylib/core\.py' holds 100% of the lines of 'mylib/core\.py'"):
+    shutil.copyfile(mylib / "mylib" / "core.py", backup / "build" / "lib" / "mylib" / "core.py")  # not read
+    assert "build/lib/mylib/core.py" not in repository_source(str(backup), "mylib/core.py", "tests/test_core.py").extra
+    shutil.copyfile(mylib / "mylib" / "core.py", backup / "mylib" / "core_old.py")
+    with pytest.raises(ValueError, match=r"'mylib/core_old\.py' holds 100% of the lines of 'mylib/core\.py'"):
         repository_source(str(backup), "mylib/core.py", "tests/test_core.py")
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match="resolved against the current directory") as refused:

@@ -17,6 +17,7 @@ from meshrl.cli.main import EXIT_CONFIG, main
 from meshrl.configs import ConfigError, RunConfig, load_config, run_record, to_toml
 from meshrl.configs.run_record import ALLOW_CHANGE as ALLOW
 from meshrl.configs.run_record import record_changes, resume_config, run_record_of, train_config
+from meshrl.run.preflight import preflight
 from meshrl.run.run_dir import COMPLETE, RunDir, RunDirBusy
 from meshrl.run.stopping import resume_hint
 
@@ -177,7 +178,22 @@ def test_resumes_that_change_task_kwargs_replay_to_the_kwargs_the_run_used(tmp_p
     assert two.task.kwargs == {"max_turns": "2"}
     # each recorded change replays to what that resume trained with, twice over
     assert _resume(out).task.kwargs == {"max_turns": "2"} == _eval_config(out, monkeypatch).task.kwargs
-    assert len((out / "config_changes.jsonl").read_text().splitlines()) == 2
+    # another factory (the same toy by its dotted name) with the kwargs the run has: recorded with it
+    three = _resume(out, "--task.import_path", "meshrl.tasks.toy.ToolTask", "--task.kwargs.max_turns", "2", ALLOW)
+    assert three.task.kwargs == {"max_turns": "2"} == _resume(out).task.kwargs
+    assert len((out / "config_changes.jsonl").read_text().splitlines()) == 3
+
+
+def test_a_resume_with_the_command_that_started_the_run_changes_nothing(tmp_path):
+    out = tmp_path / "run"
+    command = ["@", str(REPO / "configs" / "local.toml"), "--task.kwargs.n_keys", "2", "--output-dir", str(out)]
+    config, _ = train_config(command)
+    preflight(config)  # checks the kwargs against the toy's signature; the record keeps them as given
+    out.mkdir()
+    (out / "config.toml").write_text(to_toml(config))
+    (out / "metrics.jsonl").write_text("")
+    resumed, changes = train_config([*command, "--resume"])
+    assert changes == {} and resumed.task.kwargs["n_keys"] == "2"
 
 
 def test_resumes_that_swap_the_loss_replay_to_the_config_the_run_used(tmp_path, monkeypatch):

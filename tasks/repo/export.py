@@ -55,7 +55,8 @@ def unified_diff(path: str, before: str, after: str) -> str:
     """`before` -> `after` of the file `path`, as `git diff` writes a patch."""
     lines = difflib.unified_diff(before.splitlines(keepends=True), after.splitlines(keepends=True),
                                  f"a/{path}", f"b/{path}")  # fmt: skip
-    return f"diff --git a/{path} b/{path}\n" + "".join(lines)
+    ended = (line if line.endswith("\n") else f"{line}\n\\ No newline at end of file\n" for line in lines)
+    return f"diff --git a/{path} b/{path}\n" + "".join(ended)
 
 
 def new_file_diff(path: str, text: str) -> str:

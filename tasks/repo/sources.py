@@ -15,11 +15,11 @@ import difflib
 import hashlib
 import os
 import platform
-import re
 import subprocess
 import sysconfig
 import tarfile
 from dataclasses import dataclass, field
+from email.parser import HeaderParser
 from pathlib import Path, PurePosixPath
 
 from meshrl.sandbox.copies import MIN_LINE, SHARED
@@ -92,17 +92,17 @@ def in_tree(name: str) -> bool:
     return not any(part.startswith(".") or part == "__pycache__" for part in PurePosixPath(name).parts)
 
 
-def load_source(module: str) -> Source:
-    """The standard library's `module.py` and `test/test_module.py`; a clear error when either is missing."""
+def load_source(module: str, key: str = "task.kwargs.modules") -> Source:
+    """The standard library's `module.py` and `test/test_module.py`; an error naming `key` when either is missing."""
     lib = Path(sysconfig.get_paths()["stdlib"])
     code, tests = lib / f"{module}.py", lib / "test" / f"test_{module}.py"
     for path in (code, tests):
         if not path.is_file():
             raise ValueError(
-                f"task.kwargs.modules: {module!r} needs {path}, which this interpreter does not ship "
+                f"{key}: {module!r} needs {path}, which this interpreter does not ship "
                 "(a pure-Python standard library module with its tests)"
             )
-    source = Source(module, code.read_text(), tests.read_text(), added={"tests/__init__.py": ""})
+    source = Source(module, code.read_text(), tests.read_text(), added={"tests/__init__.py": ""}, key=key)
     layout = {source.path: f"{module}.py", source.test_path: f"test/test_{module}.py"}
     digest = tree_digest({source.path: code.read_bytes(), source.test_path: tests.read_bytes()})
     source.provenance = Provenance("stdlib", "cpython", platform.python_version(), str(lib), "", digest, layout)
@@ -134,6 +134,9 @@ def repository_source(repo: str, module: str, tests: str, key: str = "task.kwarg
         tree, provenance = _directory_tree(where, repo, key)
     elif where.is_file() and where.name.endswith((".tar.gz", ".tgz")):
         tree, provenance, top = _sdist_tree(where, repo, key)
+    elif where.is_file():
+        raise ValueError(f"{key}.repo: {repo!r} is a file but not a .tar.gz source distribution (a wheel or zip "
+                         "ships no tests: `pip download --no-binary :all: NAME==VERSION` saves the sdist)")  # fmt: skip
     else:
         resolved = f" (resolved against the current directory, {Path.cwd()})" if not where.is_absolute() else ""
         fix = ("the set-up installs it: make setup" if "meshrl-sources" in repo
@@ -152,6 +155,9 @@ def repository_source(repo: str, module: str, tests: str, key: str = "task.kwarg
             carried[name] = data.decode("utf-8")
         except UnicodeDecodeError:
             left_out.append(name)
+    for name, wanted in (("module", module), ("tests", tests)):
+        if wanted in left_out:
+            raise ValueError(f"{key}.{name}: {wanted!r} in {repo!r} is not UTF-8 text")
     if sum(len(text) for text in carried.values()) > MAX_REPO_BYTES:
         raise ValueError(f"{key}.repo: {repo!r} carries over {MAX_REPO_BYTES >> 20} MiB of text files into a workspace")
     _refuse_copies_of(module, carried, repo, key)
@@ -192,44 +198,65 @@ def _bounded(total: int, repo: str, key: str) -> None:
         raise ValueError(f"{key}.repo: {repo!r} is over {MAX_TREE_BYTES >> 20} MiB (its files are read at every start)")
 
 
+# Folders of a directory's tree that are built or installed, not written: never read.
+BUILT = frozenset({"build", "dist", "node_modules", "venv", "env", "site-packages"})
+
+
 def _directory_tree(where: Path, repo: str, key: str) -> tuple[dict[str, bytes], Provenance]:
+    """A directory's tree: a git checkout's tracked files when its tracked files are as committed
+    (then `base_commit` rebuilds it); otherwise every file but hidden, `__pycache__`, built and
+    installed folders (BUILT, `*.egg-info`)."""
+    git = _git(where) if (where / ".git").exists() else None
+    if git is not None and not git.dirty:
+        names = git.tracked
+    else:
+        names = []
+        for folder, dirs, files in os.walk(where):
+            dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__" and d not in BUILT
+                             and not d.endswith(".egg-info"))  # fmt: skip
+            names += [(Path(folder) / f).relative_to(where).as_posix() for f in files]
     tree, total = {}, 0
-    for path in sorted(where.rglob("*")):
-        name = path.relative_to(where).as_posix()
+    for name in sorted(names):
+        path = where / name
         if path.is_file() and not path.is_symlink() and in_tree(name):
             tree[name] = path.read_bytes()
             total += len(tree[name])
             _bounded(total, repo, key)
-    provenance = Provenance("directory", where.name, "", str(where.resolve()), tree_digest=tree_digest(tree))
-    if (where / ".git").exists():
-        git = _git(where)
-        if git is not None:
-            url, commit, described = git
-            provenance = Provenance(
-                "git", where.name, described, url or str(where.resolve()), commit, provenance.tree_digest
-            )
-    return tree, provenance
+    title, location = where.resolve().name, str(where.resolve())
+    if git is not None and not git.dirty:
+        return tree, Provenance("git", title, git.described, git.url or location, git.commit, tree_digest(tree))
+    return tree, Provenance("directory", title, git.described if git else "", location, tree_digest=tree_digest(tree))
 
 
-def _git(where: Path) -> tuple[str, str, str] | None:
-    """(remote URL or "", HEAD, `git describe --tags --always --dirty`) of a checkout, None without git."""
+@dataclass(frozen=True)
+class Checkout:
+    """A git checkout: its remote, HEAD, `git describe --tags --always --dirty`, tracked files, and
+    whether a tracked file differs from HEAD (then HEAD does not rebuild the tree)."""
+
+    url: str
+    commit: str
+    described: str
+    tracked: list[str]
+    dirty: bool
+
+
+def _git(where: Path) -> Checkout | None:
+    """The checkout at `where`, None without git (or not one)."""
 
     def ask(*args: str) -> str:
-        done = subprocess.run(["git", "-C", str(where), *args], capture_output=True, text=True, timeout=30)
+        done = subprocess.run(["git", "-C", str(where), *args], capture_output=True, text=True, timeout=60)
         return done.stdout.strip() if done.returncode == 0 else ""
 
     try:
         commit = ask("rev-parse", "HEAD")
+        if not commit:
+            return None
+        tracked = [name for name in ask("ls-files", "-z").split("\0") if name]
+        dirty = bool(ask("status", "--porcelain", "--untracked-files=no"))
+        return Checkout(ask("remote", "get-url", "origin"), commit, ask("describe", "--tags", "--always", "--dirty"),
+                        tracked, dirty)  # fmt: skip
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return (
-        (ask("remote", "get-url", "origin"), commit, ask("describe", "--tags", "--always", "--dirty"))
-        if commit
-        else None
-    )
-
-
-PKG_INFO_FIELD = re.compile(r"^(Name|Version):\s*(\S+)\s*$", re.MULTILINE)
 
 
 def _sdist_tree(where: Path, repo: str, key: str) -> tuple[dict[str, bytes], Provenance, str]:
@@ -245,10 +272,10 @@ def _sdist_tree(where: Path, repo: str, key: str) -> tuple[dict[str, bytes], Pro
                 tree[name] = archive.extractfile(member).read()
                 total += len(tree[name])
                 _bounded(total, repo, key)
-    fields = dict(PKG_INFO_FIELD.findall(tree.get("PKG-INFO", b"").decode("utf-8", "replace")))
+    fields = HeaderParser().parsestr(tree.get("PKG-INFO", b"").decode("utf-8", "replace"))  # its header only
     stem = where.name.removesuffix(".tar.gz").removesuffix(".tgz")
     name, _, version = stem.rpartition("-")
-    provenance = Provenance("sdist", fields.get("Name", name or stem), fields.get("Version", version), str(where.resolve()),
+    provenance = Provenance("sdist", fields.get("Name") or name or stem, fields.get("Version") or version, str(where.resolve()),
                             tree_digest=tree_digest(tree))  # fmt: skip
     return tree, provenance, top
 
@@ -273,7 +300,7 @@ def sources_of(modules: list[str], eval_modules: list[str], repos: list[dict[str
             raise ValueError(f"{key}: {module!r} is already {named[module]}: a module is one source with one test "
                              "suite (a second entry would replace the first's tests)")  # fmt: skip
         named[module] = key
-    extra = []
+    extra: dict[str, str] = {}  # held-out standard-library modules named in eval_modules alone -> key
     for i, module in enumerate(eval_modules):
         if module in named or module in extra:
             continue
@@ -284,5 +311,9 @@ def sources_of(modules: list[str], eval_modules: list[str], repos: list[dict[str
                 "and no standard-library module with its tests"
                 + (f" — did you mean {close[0]!r}?" if close else " (a repository's module goes by its dotted name)")
             )
-        extra.append(module)
-    return [load_source(module) for module in [*modules, *extra]] + repositories
+        extra[module] = f"task.kwargs.eval_modules[{i}]"
+    return (
+        [load_source(module, named[module]) for module in modules]
+        + [load_source(module, key) for module, key in extra.items()]
+        + repositories
+    )

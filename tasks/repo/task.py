@@ -82,6 +82,7 @@ class RepoFixTask:
         modules = list(MODULES if modules is None else modules)
         held_out = [m for m in EVAL_MODULES if m in modules] if eval_modules is None else list(eval_modules)
         sources = sources_of(modules, held_out, repos)
+        self.held_out = held_out
         self.max_turns = max_turns
         self.tools = tools.TOOLS
         config = SandboxConfig(**(sandbox or {}))
@@ -133,7 +134,12 @@ class RepoFixTask:
         """The first `n` held-out tasks, each once, the held-out modules taking turns (`interleaved`):
         the task id is the prompt id."""
         if not self.eval_ids:
-            raise ValueError(f"task.kwargs.eval_modules: no held-out source has tasks{NO_HELD_OUT}")
+            why = (
+                NO_HELD_OUT
+                if not self.held_out
+                else f" (of {self.held_out}, none kept a task{' of the easy tier' * bool(self.pointers)})"
+            )
+            raise ValueError(f"task.kwargs.eval_modules: no held-out source has tasks{why}")
         return [self.prompt(task_id) for task_id in self.eval_ids[:n]]
 
     def prompt(self, task_id: str, draw: int | None = None) -> Prompt:
