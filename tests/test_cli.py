@@ -234,6 +234,9 @@ def test_train_and_eval_help_list_their_flags():
     assert "--export FILE.jsonl" in meshrl("tasks", "build", "--help").stdout
 
 
+REPO_FIX = ["@", str(LOCAL), "@", str(REPO / "configs" / "repo_fix.toml")]
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
@@ -247,21 +250,7 @@ def test_train_and_eval_help_list_their_flags():
         (["--teachers.members", '[{"backend": "openai", "name": "t", "base_url": "http://x/v1", "model": "m", '
           '"api_key_env": "MESHRL_NO_SUCH_KEY"}]', "--teachers.min-agree", "1"],
          "teachers.members[0].api_key_env: the env var MESHRL_NO_SUCH_KEY"),
-    ],
-)  # fmt: skip
-def test_a_start_that_would_fail_is_refused_in_one_line_and_leaves_no_run_directory(tmp_path, args, needle):
-    out = tmp_path / "run"
-    result = meshrl("train", *args, "--output-dir", str(out), cwd=tmp_path)
-    assert result.returncode == 2 and needle in result.stderr, result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1 and not out.exists()
-
-
-REPO_FIX = ["@", str(LOCAL), "@", str(REPO / "configs" / "repo_fix.toml")]
-
-
-@pytest.mark.parametrize(
-    ("args", "needle"),
-    [
+        # a task kwarg the task's factory does not take, or of the wrong type, names itself and the task
         (["@", str(LOCAL), "--task.kwargs.n_keys", "3", "--task.kwargs.max_turns", "many"],
          "task.kwargs.max_turns: 'many' does not fit meshrl.tasks.toy:ToolTask's max_turns: int"),
         (["@", str(LOCAL), "--task.kwargs.n-keys", "3"], "task.kwargs.n-keys: meshrl.tasks.toy:ToolTask takes no 'n-keys'"),
@@ -271,7 +260,7 @@ REPO_FIX = ["@", str(LOCAL), "@", str(REPO / "configs" / "repo_fix.toml")]
         ([*REPO_FIX, "--task.kwargs.per_modules", "4"], "did you mean 'per_module'?"),
     ],
 )  # fmt: skip
-def test_a_mistyped_task_kwarg_is_refused_in_one_line_naming_it_and_the_task(tmp_path, args, needle):
+def test_a_start_that_would_fail_is_refused_in_one_line_and_leaves_no_run_directory(tmp_path, args, needle):
     out = tmp_path / "run"
     result = meshrl("train", *args, "--output-dir", str(out), cwd=tmp_path)
     assert result.returncode == 2 and needle in result.stderr, result.stderr

@@ -145,18 +145,21 @@ class RepoFixTask:
     def prompt(self, task_id: str, draw: int | None = None) -> Prompt:
         task = self.tasks[task_id]
         source = self.sources[task.module]
-        failing = ", ".join(name.rsplit(".", 2)[-2] + "." + name.rsplit(".", 1)[-1] for name in task.fail_to_pass[:3])
-        more = f" and {len(task.fail_to_pass) - 3} more" if len(task.fail_to_pass) > 3 else ""
-        user = (
-            f"Some tests in {source.test_path} fail: {failing}{more}. Find the bug in {source.path} and "
-            f"fix it so that every test passes. Run the tests with `python3 -m unittest {source.test_module}`."
-        )
-        if task_id in self.pointers:
-            at = self.pointers[task_id]
+        at = self.pointers.get(task_id)
+        if at is not None:  # the easy tier
             user = (
                 f"This test in {source.test_path} fails:\n```python\n{at.test_code.rstrip()}\n```\nThe bug is in the "
                 f"function `{at.name}` of {source.path} (lines {at.start}-{at.end}). Fix it so that the tests pass, "
                 f"without changing them. Run the test with `python3 -m unittest {at.test_id}`."
+            )
+        else:
+            failing = ", ".join(
+                name.rsplit(".", 2)[-2] + "." + name.rsplit(".", 1)[-1] for name in task.fail_to_pass[:3]
+            )
+            more = f" and {len(task.fail_to_pass) - 3} more" if len(task.fail_to_pass) > 3 else ""
+            user = (
+                f"Some tests in {source.test_path} fail: {failing}{more}. Find the bug in {source.path} and "
+                f"fix it so that every test passes. Run the tests with `python3 -m unittest {source.test_module}`."
             )
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
         return Prompt(
