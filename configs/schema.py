@@ -426,14 +426,23 @@ class TrainerConfig(Section):
         "Transformer's, as Qwen3-MoE adds it in transformers; top-k when the load is even) added to the RL "
         "loss; 0 = off. A dense model with it set is refused.",
     )
+    attention: Literal["auto", "sdpa", "flex", "varlen"] = Field(
+        "auto",
+        description="The kernel packed rows attend through, document by document: 'sdpa' (one SDPA call per "
+        "document, any device), 'varlen' (PyTorch's flash varlen kernel, one call per layer; CUDA, bf16), 'flex' "
+        "(FlexAttention with a document block mask, compiled; CUDA). 'auto': varlen on CUDA where PyTorch has it, "
+        "else flex; sdpa elsewhere. Rows of one sample each take SDPA's flash path on every kernel.",
+    )
     activation_checkpointing: Literal["none", "full", "selective"] = Field(
         "none",
         description="Decoder layers that recompute their activations in backward instead of keeping them: "
-        "'none', 'full' (every layer: memory per token drops ~8x on Qwen3 shapes), 'selective' (every "
-        "trainer.activation_checkpointing_every-th layer). Off by default: on a CPU it only costs time.",
+        "'none'; 'full' (the layer keeps only its input: memory per token drops ~8x on Qwen3 shapes); "
+        "'selective' (op-level: it also keeps the attention output and every other matmul's, so backward "
+        "recomputes half the matmuls; between the two in memory and time). Off by default: on a CPU it only "
+        "costs time.",
     )
     activation_checkpointing_every: int = Field(
-        2, ge=2, description="'selective' checkpointing: every k-th decoder layer, from the first, recomputes."
+        1, ge=1, description="Checkpointing applies to every k-th decoder layer, from the first (1 = all of them)."
     )
     activation_offload: bool = Field(
         False,

@@ -68,7 +68,7 @@ def test_checkpointed_layers_give_the_unchecked_gradients(paths, shape, mode):
     plain = TrainerCore(load_config(args), paths[shape])
     checked = TrainerCore(load_config([*args, "--trainer.activation_checkpointing", mode]), paths[shape])
     layers = len(checked.model.get_decoder().layers)
-    assert checked.checkpointed_layers == (layers if mode == "full" else (layers + 1) // 2) > 0
+    assert checked.checkpointed_layers == layers > 0
     expected, expected_metrics = _gradients(plain)
     got, metrics = _gradients(checked)
     assert got.keys() == expected.keys() and got
@@ -98,12 +98,39 @@ def test_offloaded_checkpoints_give_the_same_gradients(paths):
         torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
-def test_selective_checkpointing_picks_every_kth_layer_and_offload_needs_checkpointing():
+def test_checkpointing_every_kth_layer_and_offload_needs_checkpointing():
     config = load_config(["--trainer.activation_checkpointing", "selective",
                           "--trainer.activation_checkpointing_every", "3"])  # fmt: skip
     assert checkpointed_layers(config.trainer, 7) == [True, False, False, True, False, False, True]
+    assert checkpointed_layers(load_config(["--trainer.activation_checkpointing", "full"]).trainer, 3) == [True] * 3
     with pytest.raises(ValueError, match="activation_offload needs trainer.activation_checkpointing"):
         load_config(["--trainer.activation_offload", "true"])
+
+
+def test_selective_checkpointing_recomputes_half_the_matmuls_of_full(paths):
+    """Op-level selective checkpointing keeps every other matmul's output (and attention's), so its
+    backward runs half as many of the layer's forward matmuls again as full checkpointing does."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Matmuls(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+            return func(*args, **(kwargs or {}))
+
+    backward = {}
+    for mode in ("none", "full", "selective"):
+        core = TrainerCore(load_config([*QWEN_TIED, "--trainer.activation_checkpointing", mode]), paths["qwen3"])
+        loss, _, _ = core._loss(rl_batch(core.model, 1, length=24), 12.0)
+        with Matmuls() as counted:
+            loss.backward()
+        backward[mode] = counted.count
+    layers = len(core.model.get_decoder().layers)
+    recomputed = backward["full"] - backward["none"]  # each layer's forward matmuls, run again
+    assert recomputed > 0 and recomputed % layers == 0
+    per_layer = recomputed // layers
+    assert backward["selective"] - backward["none"] == layers * (per_layer // 2)
 
 
 @pytest.mark.parametrize("shape", ["qwen3", "smollm2"])
@@ -134,32 +161,86 @@ def _small(config_class: type, **extra) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
 
 
+FAMILIES = {
+    "mistral, window 4": ("MistralConfig", {"sliding_window": 4}),
+    "qwen2, window 4 on its second layer": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 4,
+                                                            "max_window_layers": 1}),
+    "llama, no window": ("LlamaConfig", {}),
+}  # fmt: skip
+# Each kernel where it runs: FlexAttention has no CPU backward (its CPU case checks logits only), and
+# varlen is CUDA's flash kernel (bf16).
+KERNELS = [("sdpa", "cpu"), ("flex", "cpu"), pytest.param("flex", "cuda", marks=pytest.mark.gpu),
+           pytest.param("varlen", "cuda", marks=pytest.mark.gpu)]  # fmt: skip
+
+
+def _scored(model: torch.nn.Module, ids: torch.Tensor, weights: torch.Tensor, grads: bool, **kwargs) -> tuple:
+    """Logits and, if `grads`, every parameter's gradient of a fixed linear function of them."""
+    model.zero_grad(set_to_none=True)
+    with torch.set_grad_enabled(grads), torch.autocast(ids.device.type, torch.bfloat16, enabled=ids.is_cuda):
+        logits = model(ids, **kwargs).logits.float()
+    if not grads:
+        return logits, {}
+    (logits * weights).sum().backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
 @pytest.mark.parametrize("block", [WINDOW_BLOCK, 5])
-@pytest.mark.parametrize("family", ["mistral, window 4", "qwen2, window 4 on its second layer", "llama, no window"])
-def test_document_attention_is_eager_attention_with_or_without_a_sliding_window(family, block, monkeypatch):
-    """Each document of a packed row scores as transformers' eager attention scores it alone, a
-    layer's sliding window included (a window was dropped: |documents − eager| 1.49 on a windowed
-    Mistral); in blocks of queries smaller than a document too."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+@pytest.mark.parametrize("kernel, device", KERNELS)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_each_kernel_is_eager_attention_with_or_without_a_sliding_window(family, kernel, device, block, monkeypatch):
+    """Each document of a packed row scores, and trains, as transformers' eager attention does it
+    alone, a layer's sliding window included (a window was dropped: |documents − eager| 1.49 on a
+    windowed Mistral); in blocks of queries smaller than a document too (SDPA's path)."""
+    import transformers
 
     from meshrl.trainer import attention
 
+    if block != WINDOW_BLOCK and kernel != "sdpa":
+        pytest.skip("query blocks are the per-document SDPA path's")
     monkeypatch.setattr(attention, "WINDOW_BLOCK", block)
-    model = {
-        "mistral, window 4": lambda: _small(MistralConfig, sliding_window=4),
-        "qwen2, window 4 on its second layer": lambda: _small(Qwen2Config, use_sliding_window=True,
-                                                              sliding_window=4, max_window_layers=1),
-        "llama, no window": lambda: _small(LlamaConfig),
-    }[family]()  # fmt: skip
+    config_class, extra = FAMILIES[family]
+    model = _small(getattr(transformers, config_class), **extra).to(device)
     g = torch.Generator().manual_seed(1)
     lengths = [16, 3, 11]
-    ids = torch.randint(0, 64, (1, sum(lengths)), generator=g)
-    with torch.no_grad():
-        alone = [model(part).logits for part in ids.split(lengths, dim=1)]
-        use_document_attention(model)
-        positions = torch.cat([torch.arange(n) for n in lengths])[None]
-        packed = model(ids, position_ids=positions).logits
-    torch.testing.assert_close(packed, torch.cat(alone, dim=1), rtol=1e-5, atol=1e-5)
+    ids = torch.randint(0, 64, (1, sum(lengths)), generator=g).to(device)
+    weights = torch.randn(1, sum(lengths), 64, generator=g).to(device)
+    grads = not (kernel == "flex" and device == "cpu")
+    alone = [_scored(model, part, w, grads) for part, w in zip(ids.split(lengths, 1), weights.split(lengths, 1))]
+    use_document_attention(model, kernel)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
+    packed, packed_grads = _scored(model, ids, weights, grads, position_ids=positions)
+    tolerance = {"rtol": 2e-2, "atol": 2e-2} if device == "cuda" else {"rtol": 1e-5, "atol": 1e-5}  # bf16 on CUDA
+    torch.testing.assert_close(packed, torch.cat([logits for logits, _ in alone], dim=1), **tolerance)
+    for name, grad in packed_grads.items():
+        torch.testing.assert_close(grad, sum(part[name] for _, part in alone), **tolerance, msg=name)
+    assert packed_grads.keys() == (alone[0][1].keys() if grads else set())
+
+
+def test_the_documents_are_found_once_per_micro_batch_and_laid_end_to_end():
+    """The bounds every layer attends within: found once for a forward's position ids (not per layer),
+    as the varlen kernel takes them (one cumulative list over the rows), and as FlexAttention's mask
+    reads them (a document index per token)."""
+    from meshrl.trainer.attention import documents
+
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 0, 1]])
+    found = documents(positions, 2)
+    assert documents(positions, 2) is found
+    assert found.spans == [[(0, 3), (3, 5), (5, 6)], [(0, 4), (4, 6)]]
+    assert found.cu_seqlens.tolist() == [0, 3, 5, 6, 10, 12] and found.cu_seqlens.dtype == torch.int32
+    assert found.max_length == 4 and not found.one_each
+    assert found.ids.tolist() == [[0, 0, 0, 1, 1, 2], [0, 0, 0, 0, 1, 1]]
+    one_row = documents(torch.arange(5)[None], 3)  # one row's position ids broadcast over three rows
+    assert one_row.one_each and one_row.cu_seqlens.tolist() == [0, 5, 10, 15]
+
+
+def test_a_kernel_the_device_cannot_run_is_refused_naming_the_key():
+    from meshrl.trainer.attention import attention_kernel
+
+    cpu = torch.device("cpu")
+    assert attention_kernel("auto", cpu) == "sdpa"
+    for kernel in ("varlen", "flex"):
+        with pytest.raises(ValueError, match=f"trainer.attention = '{kernel}' needs a CUDA device"):
+            attention_kernel(kernel, cpu)
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])

@@ -1,39 +1,73 @@
-"""Packed rows attended document by document.
+"""Packed rows attended document by document, by one of three kernels.
 
 The collator packs many samples into one row, position ids restarting at each (rollouts/packing.py).
 transformers' SDPA path turns restarting position ids into a dense T×T block mask: memory quadratic
 in the row's length, and SDPA off its flash kernel (a 64k row of 2k-token samples ran at a third of
-one 64k sample's tokens/s on an H200). Here each document runs as its own causal SDPA call, so a
-packed row costs O(tokens) memory and every call can take the flash kernel; a row with one document
-is one call, exactly the unpacked path.
+one 64k sample's tokens/s on an H200). Here a row's documents never see each other, in O(tokens)
+memory, through one of (`trainer.attention`):
 
-Registered with transformers as the attention implementation `meshrl_documents` (the trainer's
-policy and reference models use it). Calls that carry a padding mask, or a KV cache, go to
+- `sdpa`: one causal SDPA call per document (every call can take the flash kernel); any device.
+- `varlen`: PyTorch's flash varlen kernel (`torch.nn.attention.varlen.varlen_attn`) over all the
+  micro-batch's documents in one call; CUDA, bf16/fp16 only (a float32 call takes `sdpa`).
+- `flex`: FlexAttention with a document block mask (compiled on CUDA); PyTorch has no CPU backward.
+
+`auto` takes `varlen` on a CUDA device that has it, `flex` on other CUDA devices, `sdpa` elsewhere.
+A micro-batch whose rows are one document each is one causal SDPA call on every kernel (flash).
+The documents' bounds are found once per micro-batch (one host sync), not once per layer: every
+layer gets the same position-ids tensor, and its `Documents` are kept beside it.
+
+Registered with transformers as the attention implementations `meshrl_documents[_flex|_varlen]` (the
+trainer's policy and reference models use it). Calls that carry a padding mask, or a KV cache, go to
 transformers' own SDPA unchanged. A layer's sliding window (Mistral, Phi-3, Qwen2/3's windowed
-layers, Gemma 2/3's local layers) is honoured within each document, as the sampler attends; the
-variants that SDPA cannot compute (attention logit soft-capping, attention sinks, chunked
+layers, Gemma 2/3's local layers) is honoured within each document by every kernel, as the sampler
+attends; the variants none of them computes (attention logit soft-capping, attention sinks, chunked
 attention) are refused when the model is set up, naming the config key.
 """
 
 from __future__ import annotations
 
-from functools import partial
-from typing import Any
+import inspect
+from dataclasses import dataclass, field
+from functools import cache, partial
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+Kernel = Literal["sdpa", "flex", "varlen"]
 DOCUMENTS = "meshrl_documents"
+# Each kernel's implementation name in transformers (a name holding "sdpa" would get transformers' SDPA checks).
+NAMES: dict[str, str] = {"sdpa": DOCUMENTS, "flex": f"{DOCUMENTS}_flex", "varlen": f"{DOCUMENTS}_varlen"}
 WINDOW_BLOCK = 512  # queries per SDPA call of a windowed document: keys and mask O(block × (block + window))
-# Config keys of attention variants SDPA cannot compute; a model that sets one is refused.
+HALF = (torch.bfloat16, torch.float16)  # the dtypes flash kernels take
+# Config keys of attention variants no kernel here computes; a model that sets one is refused.
 UNSUPPORTED = {
     "attn_logit_softcapping": "soft-caps its attention logits",
     "attention_chunk_size": "attends in chunks",
 }
+
+
+@dataclass
+class Documents:
+    """One micro-batch's documents: the bounds every layer attends within."""
+
+    spans: list[list[tuple[int, int]]]  # [start, end) of each document, per row
+    cu_seqlens: torch.Tensor  # int32 document starts over the rows laid end to end, then the total
+    max_length: int
+    ids: torch.Tensor  # (rows, length) the document index of each token, for FlexAttention's mask
+    block_masks: dict[int | None, Any] = field(default_factory=dict)  # FlexAttention's, by window
+
+    @property
+    def one_each(self) -> bool:
+        return all(len(row) == 1 for row in self.spans)
+
+
+_found: WeakIdKeyDictionary = WeakIdKeyDictionary()  # position ids → their Documents (one forward's layers)
 
 
 def document_spans(position_ids: torch.Tensor) -> list[tuple[int, int]]:
@@ -41,6 +75,27 @@ def document_spans(position_ids: torch.Tensor) -> list[tuple[int, int]]:
     starts = torch.nonzero(position_ids[1:] != position_ids[:-1] + 1).flatten() + 1
     bounds = [0, *starts.tolist(), position_ids.numel()]
     return list(zip(bounds[:-1], bounds[1:]))
+
+
+def documents(position_ids: torch.Tensor, rows: int) -> Documents:
+    """The documents of `rows` rows of these position ids (one row broadcast to all), found once."""
+    found = _found.get(position_ids)
+    if found is not None and len(found.spans) == rows:
+        return found
+    positions = position_ids.expand(rows, -1)
+    length = positions.shape[1]
+    new = (positions[:, 1:] != positions[:, :-1] + 1).flatten(1)
+    ids = torch.cat([torch.zeros_like(new[:, :1]), new], dim=1).cumsum(1).to(torch.int32)
+    spans = [document_spans(row) for row in positions]
+    starts = [r * length + s for r, row in enumerate(spans) for s, _ in row] + [rows * length]
+    found = Documents(
+        spans=spans,
+        cu_seqlens=torch.tensor(starts, dtype=torch.int32, device=position_ids.device),
+        max_length=max(e - s for row in spans for s, e in row),
+        ids=ids,
+    )
+    _found[position_ids] = found
+    return found
 
 
 def document_attention(
@@ -52,6 +107,7 @@ def document_attention(
     dropout: float = 0.0,
     scaling: float | None = None,
     position_ids: torch.Tensor | None = None,
+    kernel: Kernel = "sdpa",
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Causal attention within each document of each row; (batch, seq, heads, head_dim) out."""
@@ -59,17 +115,96 @@ def document_attention(
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)  # fmt: skip
     window = kwargs.get("sliding_window")
+    docs = documents(position_ids, query.shape[0])
+    if dropout == 0.0 and not docs.one_each:
+        if kernel == "varlen" and query.dtype in HALF:
+            return varlen_documents(query, key, value, docs, scaling, window), None
+        if kernel == "flex":
+            return flex_documents(query, key, value, docs, scaling, window), None
     rows = []
-    for b, positions in enumerate(position_ids.expand(query.shape[0], -1)):
+    for b, spans in enumerate(docs.spans):
         parts = [
             causal_attention(
                 query[b : b + 1, :, s:e], key[b : b + 1, :, s:e], value[b : b + 1, :, s:e], dropout, scaling, window
             )
-            for s, e in document_spans(positions)
+            for s, e in spans
         ]
         rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
     out = rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)
     return out.transpose(1, 2).contiguous(), None
+
+
+@cache
+def _varlen() -> tuple[Any, set[str]]:
+    """PyTorch's varlen kernel and the keyword arguments this version of it takes."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn, set(inspect.signature(varlen_attn).parameters)
+
+
+def varlen_available(device: torch.device) -> bool:
+    """Whether `varlen` can run on `device`: CUDA, a PyTorch with the kernel, an Ampere or newer card."""
+    if device.type != "cuda":
+        return False
+    try:
+        _varlen()
+    except ImportError:
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def varlen_documents(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, docs: Documents, scaling: float | None,
+    window: int | None,
+) -> torch.Tensor:  # fmt: skip
+    """Every document of the micro-batch in one flash varlen call; (batch, seq, heads, head_dim) out.
+    A window of W keys is flash's (W − 1, 0): each query sees itself and the W − 1 before it."""
+    kernel, takes = _varlen()
+    batch, heads, length, width = query.shape
+    flat = lambda t: t.transpose(1, 2).reshape(batch * length, t.shape[1], width)  # noqa: E731
+    q, k, v = flat(query), flat(key), flat(value)
+    extra: dict[str, Any] = {"scale": scaling}
+    if key.shape[1] != heads:  # grouped-query attention: the kernel's own, else the heads repeated
+        if "enable_gqa" in takes:
+            extra["enable_gqa"] = True
+        else:
+            k, v = (t.repeat_interleave(heads // key.shape[1], dim=1) for t in (k, v))
+    if window is not None:
+        if "window_size" not in takes:
+            return flex_documents(query, key, value, docs, scaling, window)
+        extra["window_size"] = (window - 1, 0)
+    out = kernel(q, k, v, docs.cu_seqlens, docs.cu_seqlens, docs.max_length, docs.max_length, **extra)
+    return out.view(batch, length, heads, width)
+
+
+@cache
+def _flex(device_type: str) -> tuple[Any, Any]:
+    """FlexAttention and its block-mask builder: compiled on CUDA (eager materialises every score)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if device_type == "cuda":
+        return torch.compile(flex_attention, dynamic=True), partial(create_block_mask, _compile=True)
+    return flex_attention, create_block_mask
+
+
+def flex_documents(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, docs: Documents, scaling: float | None,
+    window: int | None,
+) -> torch.Tensor:  # fmt: skip
+    """FlexAttention under a causal document mask (and window), built once per micro-batch and window."""
+    attend, block_mask = _flex(query.device.type)
+    mask = docs.block_masks.get(window)
+    if mask is None:
+        ids = docs.ids
+
+        def within(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            seen = (ids[b, q] == ids[b, kv]) & (kv <= q)
+            return seen if window is None else seen & (q - kv < window)
+
+        batch, length = ids.shape
+        mask = docs.block_masks[window] = block_mask(within, batch, None, length, length, device=query.device)
+    out = attend(query, key, value, block_mask=mask, scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
+    return out.transpose(1, 2).contiguous()
 
 
 def causal_attention(
@@ -100,9 +235,24 @@ def _documents_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kw
     return None if attention_mask is None else sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
 
 
-def use_document_attention(model: nn.Module) -> None:
-    """Make `model` (a transformers model) attend packed rows document by document; refuses a model
-    whose attention SDPA cannot compute (scoring it as plain attention would not be its policy)."""
+def attention_kernel(choice: Literal["auto", "sdpa", "flex", "varlen"], device: torch.device) -> Kernel:
+    """The kernel `trainer.attention` names on `device`; `auto` picks the fastest there. A kernel the
+    device cannot run is refused, naming the key."""
+    if choice == "auto":
+        return "sdpa" if device.type != "cuda" else "varlen" if varlen_available(device) else "flex"
+    if choice == "varlen" and not varlen_available(device):
+        raise ValueError(f"trainer.attention = 'varlen' needs a CUDA device of compute capability 8.0+ and a "
+                         f"PyTorch with torch.nn.attention.varlen (this trainer runs on {device})")  # fmt: skip
+    if choice == "flex" and device.type != "cuda":
+        raise ValueError(f"trainer.attention = 'flex' needs a CUDA device: PyTorch's FlexAttention has no backward "
+                         f"on {device.type} (use 'sdpa' or 'auto')")  # fmt: skip
+    return choice
+
+
+def use_document_attention(model: nn.Module, kernel: Kernel = "sdpa") -> None:
+    """Make `model` (a transformers model) attend packed rows document by document through `kernel`;
+    refuses a model whose attention none of the kernels computes (scoring it as plain attention would
+    not be its policy)."""
     config = model.config.get_text_config()
     refused = [f"{key} = {getattr(config, key)} ({why})" for key, why in UNSUPPORTED.items()
                if getattr(config, key, None) is not None]  # fmt: skip
@@ -111,6 +261,7 @@ def use_document_attention(model: nn.Module) -> None:
     if refused:
         raise ValueError(f"model.path: a {config.model_type} model the trainer cannot score as it samples: "
                          f"{'; '.join(refused)}")  # fmt: skip
-    AttentionInterface.register(DOCUMENTS, document_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(DOCUMENTS, _documents_mask)
-    model.set_attn_implementation(DOCUMENTS)
+    name = NAMES[kernel]
+    AttentionInterface.register(name, partial(document_attention, kernel=kernel))
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, _documents_mask)
+    model.set_attn_implementation(name)

@@ -54,7 +54,7 @@ from meshrl.loss_adapters.compose import (
 from meshrl.loss_adapters.logprobs import sequence_token_logprobs
 from meshrl.models.chat_templates import renderer_template
 from meshrl.trainer.activations import enable_checkpointing
-from meshrl.trainer.attention import use_document_attention
+from meshrl.trainer.attention import attention_kernel, use_document_attention
 from meshrl.trainer.aux_batches import SFT, aux_micro_batches
 from meshrl.trainer.checkpoint import CheckpointWriter, TrainerState, own_copy, write_checkpoint
 from meshrl.trainer.router import RouterStats, real_tokens
@@ -260,7 +260,9 @@ class TrainerCore:
         # most updates at RL learning rates (1e-6 moves almost no bf16 weight).
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
         self.model.train()
-        use_document_attention(self.model)  # packed rows: O(tokens) memory (trainer/attention.py)
+        # Packed rows: O(tokens) memory, through the kernel trainer.attention names (trainer/attention.py).
+        self.attention = attention_kernel(config.trainer.attention, self.device)
+        use_document_attention(self.model, self.attention)
         # Before LoRA and FSDP2 wrap the layers: the flag lives on each decoder layer (trainer/activations.py).
         self.checkpointed_layers = enable_checkpointing(self.model, config.trainer, self.device)
         # LoRA (`model.lora`): adapters injected into `self.model` in place; only they train, and the
@@ -281,7 +283,7 @@ class TrainerCore:
         needs_ref = (loss.replay.weight > 0 and loss.replay.variant == "dpo") or self.ref_kl
         if self.fixed_ref:
             self.ref_model = AutoModelForCausalLM.from_pretrained(loss.reference_path, dtype=torch.float32)
-            use_document_attention(self.ref_model)
+            use_document_attention(self.ref_model, self.attention)
             self.ref_model.to(self.device).eval().requires_grad_(False)
         elif needs_ref and self.adapters is None:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
