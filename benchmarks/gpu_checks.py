@@ -1,10 +1,12 @@
 """GPU checks on a Qwen3-0.6B-shaped model with random weights, one process, one GPU.
 
     python benchmarks/gpu_checks.py [--seq 4096 8192 16384] [--steps 3] [--ac full none] [--packed 2048]
-                                    [--lora R] [--small]
+                                    [--attention auto sdpa flex varlen] [--compile] [--lora R] [--small]
 
 1. `TrainerCore` in bf16 (float32 master weights, autocast), one RL row of each `--seq` length per
-   step, under each `--ac` (`trainer.activation_checkpointing`): tokens/s, MFU and peak GPU memory;
+   step, under each `--ac` (`trainer.activation_checkpointing`) and `--attention` (`trainer.attention`,
+   the packed rows' kernel), and with `--compile` also compiled (`trainer.compile`): tokens/s, MFU and
+   peak GPU memory;
    with `--packed N`, also a row of N-token samples (position ids restarting: the trainer attends
    them document by document), whose MFU counts attention over N-token documents. MFU is printed in two
    conventions: PRIME-RL's (6·N·tokens + 12·layers·d_model·seq, N with the embedding; its
@@ -111,7 +113,13 @@ def trainer(path: Path, model_config: Qwen3Config, args: argparse.Namespace, dev
     """One fresh core per arm: full weights under each `--ac` mode of `trainer.activation_checkpointing`,
     then (with `--lora` > 0) LoRA adapters of that rank. Each sequence length runs as one sample and,
     with `--packed N`, as a row of N-token samples."""
-    arms = {f"full ac={ac}": ["--trainer.activation_checkpointing", ac] for ac in args.ac}
+    arms = {
+        f"full ac={ac} attn={attention}" + (" compiled" if compiled else ""): [
+            "--trainer.activation_checkpointing", ac, "--trainer.attention", attention,
+            "--trainer.compile", str(compiled).lower(),
+        ]
+        for ac in args.ac for attention in args.attention for compiled in [False] + [True] * args.compile
+    }  # fmt: skip
     if args.lora:
         arms[f"lora r={args.lora} ac={args.ac[0]}"] = [
             "--trainer.activation_checkpointing", args.ac[0],
@@ -230,6 +238,14 @@ def main() -> None:
         choices=["none", "full", "selective"],
         help="trainer.activation_checkpointing of each full-weights arm (LoRA takes the first)",
     )
+    parser.add_argument(
+        "--attention",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "sdpa", "flex", "varlen"],
+        help="trainer.attention of each full-weights arm (a packed row's kernel; auto: varlen on a CUDA card)",
+    )
+    parser.add_argument("--compile", action="store_true", help="each full-weights arm also with trainer.compile")
     parser.add_argument(
         "--packed",
         type=int,

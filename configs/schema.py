@@ -444,6 +444,12 @@ class TrainerConfig(Section):
     activation_checkpointing_every: int = Field(
         1, ge=1, description="Checkpointing applies to every k-th decoder layer, from the first (1 = all of them)."
     )
+    compile: bool = Field(
+        False,
+        description="torch.compile each decoder layer (as torchtitan does: one graph per layer, inside its "
+        "checkpointing, before FSDP2 wraps it). Its first steps pay the compile (again when row lengths first "
+        "vary); on a GPU it fuses the elementwise ops between the matmuls.",
+    )
     activation_offload: bool = Field(
         False,
         description="Checkpointed layers keep their inputs in (pinned) host memory until backward instead of on "

@@ -98,6 +98,25 @@ def test_offloaded_checkpoints_give_the_same_gradients(paths):
         torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
+@pytest.mark.slow
+def test_compiled_layers_under_checkpointing_give_the_eager_gradients(paths):
+    """`trainer.compile` (each decoder layer a graph) with full checkpointing, beside the replay
+    channel (whose reference is a copy of the compiled policy): the eager gradients."""
+    args = [*QWEN_TIED, *CHANNELS, "--trainer.activation_checkpointing", "full"]
+    grads, batch = {}, None
+    for compiled in (False, True):
+        core = TrainerCore(load_config([*args, "--trainer.compile", str(compiled).lower()]), paths["qwen3"])
+        layers = core.model.get_decoder().layers
+        assert all((layer._compiled_call_impl is not None) == compiled for layer in layers)
+        batch = batch or rl_batch(core.model, 4)  # scored by the eager model: one compile, the training one
+        loss, _, _ = core._loss(batch, 12.0)
+        loss.backward()
+        grads[compiled] = {name: p.grad for name, p in core.model.named_parameters() if p.grad is not None}
+    assert grads[True].keys() == grads[False].keys() and grads[True]
+    for name, grad in grads[False].items():
+        torch.testing.assert_close(grads[True][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_checkpointing_every_kth_layer_and_offload_needs_checkpointing():
     config = load_config(["--trainer.activation_checkpointing", "selective",
                           "--trainer.activation_checkpointing_every", "3"])  # fmt: skip

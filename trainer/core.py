@@ -273,6 +273,9 @@ class TrainerCore:
 
             self.adapters = add_lora(self.model, config.model.lora)
             self.lora_plan = adapted_weights(self.model)  # how the merged weights are built
+        if config.trainer.compile:  # each layer its own graph, inside its checkpointing (its flag wraps __call__)
+            for layer in self.model.get_decoder().layers:
+                layer.compile()
         loss = config.loss
         # One frozen reference: the DPO channel's, and ref_kl's (its `reference_path`, else the policy RL
         # starts from). It keeps float32 and computes as the policy does (autocast on one rank or DDP,
