@@ -17,8 +17,9 @@
    weights' (MFU counts the full model's FLOPs, as a LoRA step still runs the whole model).
 2. bf16 against float32 next-token distributions (the trainer's trunk and head): autocast over
    float32 weights (the trainer's way) and a bf16 copy of the weights (the HF engine's way).
-3. The HF engine's sampled tokens/s in bf16 (`generate`, T 1.0), against transformers' own
-   `generate` on the same batch.
+3. The HF engines' sampled tokens/s in bf16 (`generate`, T 1.0): its own decode loop (`rows`) and
+   transformers' continuous batching (`continuous`), each against transformers' own `generate` on
+   the same batch.
 
 Random weights give near-uniform next-token distributions (entropy close to log V); the parity
 check also runs with the logits scaled by 8 (the final norm's weight), nearer a trained model's
@@ -40,6 +41,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from meshrl.configs import load_config
+from meshrl.inference.hf_continuous import ContinuousHFEngine
 from meshrl.inference.hf_engine import HFEngine
 from meshrl.loss_adapters.logprobs import hidden_states, lm_head_weight, sequence_token_logprobs
 from meshrl.trainer.core import TrainerCore
@@ -204,24 +206,30 @@ def parity(path: Path, seq: int, device: str, sharpen: float) -> None:
 
 
 def engine(path: Path, prompts: int, prompt_len: int, new_tokens: int, device: str) -> None:
+    """Each HF engine (`generator.hf_batching` rows and continuous) sampling `prompts` prompts, against
+    transformers' own `generate` on the same batch."""
     model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device)
-    hf = HFEngine(model, [model.config.eos_token_id])
     g = torch.Generator().manual_seed(2)
     batch = [torch.randint(0, model.config.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(prompts)]
-    hf.generate(batch[:2], temperature=1.0, top_p=1.0, max_new_tokens=8, seed=0)  # warm-up
-    start = synced()
-    turns = hf.generate(batch, temperature=1.0, top_p=1.0, max_new_tokens=new_tokens, seed=1)
-    seconds = synced() - start
-    sampled = sum(len(t.completion_ids) for t in turns)
     ids = torch.tensor(batch, device=device)
     start = synced()  # the baseline: transformers' own generate, same batch, every row `new_tokens` long
     out = model.generate(ids, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=new_tokens,
                          min_new_tokens=new_tokens, attention_mask=torch.ones_like(ids))  # fmt: skip
     baseline = (out.shape[0] * (out.shape[1] - prompt_len)) / (synced() - start)
-    print(f"engine: {prompts} prompts x {prompt_len} tokens, {sampled} sampled in {seconds:.1f} s: "
-          f"{sampled / seconds:,.0f} sampled tokens/s (bf16, T 1.0); transformers' generate "
-          f"{baseline:,.0f} tokens/s; ratio {sampled / seconds / baseline:.2f}", flush=True)  # fmt: skip
-    del hf, model
+    kv_tokens = prompts * (prompt_len + new_tokens)
+    for name, hf in (("rows", HFEngine(model, [model.config.eos_token_id])),
+                     ("continuous", ContinuousHFEngine(model, [model.config.eos_token_id], kv_tokens=kv_tokens))):  # fmt: skip
+        hf.generate(batch[:2], temperature=1.0, top_p=1.0, max_new_tokens=8, seed=0)  # warm-up
+        start = synced()
+        turns = hf.generate(batch, temperature=1.0, top_p=1.0, max_new_tokens=new_tokens, seed=1)
+        seconds = synced() - start
+        sampled = sum(len(t.completion_ids) for t in turns)
+        print(f"engine {name}: {prompts} prompts x {prompt_len} tokens, {sampled} sampled in {seconds:.1f} s: "
+              f"{sampled / seconds:,.0f} sampled tokens/s (bf16, T 1.0); transformers' generate "
+              f"{baseline:,.0f} tokens/s; ratio {sampled / seconds / baseline:.2f}", flush=True)  # fmt: skip
+        if isinstance(hf, ContinuousHFEngine):
+            hf.close()
+    del model
 
 
 def main() -> None:
