@@ -12,8 +12,9 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from meshrl.configs import load_config
-from meshrl.inference.hf_engine import HFEngine
+from meshrl.inference.backends import make_engine
 from meshrl.loss_adapters.compose import reference_sums
+from meshrl.loss_adapters.logprobs import sequence_token_logprobs
 from meshrl.models.tiny import ensure_tiny
 from meshrl.run.export import export_model
 from meshrl.trainer.core import TrainerCore
@@ -108,13 +109,18 @@ def test_generators_get_the_merged_weights_and_a_resume_is_exact(model_path, tmp
         torch.testing.assert_close(exported(ids).logits, with_adapter(ids).logits, rtol=0, atol=MERGED_ATOL)
 
 
-def test_an_hf_engine_with_the_adapters_injected_takes_them_alone_and_samples_the_trainers_policy(model_path):
+@pytest.mark.parametrize("batching", ["rows", "continuous"])
+def test_an_hf_engine_with_the_adapters_injected_takes_them_alone_and_samples_the_trainers_policy(model_path, batching):
+    """Either HF engine (its own loop, transformers' continuous batching) with the adapters injected
+    takes them alone and samples the trainer's adapted policy: its logprobs are the trainer's."""
+    if batching == "continuous" and "smollm2" in model_path:
+        pytest.skip("one model shape is enough for the second engine (test time)")
     config = load_config(LORA)
     core = TrainerCore(config, model_path)
     steps(core, 2)
     sent = core.weights(torch.float32, adapters_only=True)
     assert sent and all(".lora_" in name for name in sent)
-    engine = HFEngine.from_pretrained(model_path)
+    engine = make_engine("hf", model_path, "float32", [], hf_batching=batching)
     add_lora(engine.model, config.model.lora).eval()
     engine.load_weights(sent, version=2)
     ids = torch.randint(3, core.model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -123,6 +129,14 @@ def test_an_hf_engine_with_the_adapters_injected_takes_them_alone_and_samples_th
         assert torch.allclose(engine.model(ids).logits, core.model(ids).logits, atol=1e-6)
         plain = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         assert not torch.allclose(plain(ids).logits, core.model(ids).logits, atol=1e-3)  # the adapters moved it
+        turns = engine.generate(ids.tolist(), temperature=1.0, top_p=1.0, max_new_tokens=6, seed=0)
+        for turn in turns:
+            full_ids = torch.tensor([turn.prompt_ids + turn.completion_ids])
+            scored = sequence_token_logprobs(core.model, full_ids)[0, len(turn.prompt_ids) :]
+            assert turn.versions == [2] * len(turn.completion_ids)
+            torch.testing.assert_close(torch.tensor(turn.logprobs), scored, rtol=0, atol=5e-5)
+    if hasattr(engine, "close"):
+        engine.close()
     full = core.weights(torch.float32)
     assert sum(v.numel() for v in sent.values()) < 0.2 * sum(v.numel() for v in full.values())
 
