@@ -31,7 +31,7 @@ from meshrl.inference.completion import Completion, check_sampling
 from meshrl.inference.hf_engine import HFEngine
 
 PAGE = 256  # tokens per KV page: transformers' default
-CPU_KV_TOKENS = 65536  # a manager's KV tokens on a CPU when the run gives no limits (the default takes most of RAM)
+CPU_KV_TOKENS = 8192  # a manager's KV tokens on a CPU when the run gives no limits (the default takes most of RAM)
 
 
 class ContinuousHFEngine(HFEngine):

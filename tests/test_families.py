@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from meshrl.configs import load_config
-from meshrl.inference.hf_engine import HFEngine
+from meshrl.inference.backends import make_engine
 from meshrl.loss_adapters.logprobs import sequence_token_logprobs
 from meshrl.models.tiny import FAMILIES, ensure_tiny
 from meshrl.trainer.core import TrainerCore
@@ -36,13 +36,17 @@ def test_chunked_logprobs_equal_the_models_tempered_log_softmax(family_model, te
     torch.testing.assert_close(got[:, 1:], expected, rtol=1e-5, atol=1e-5)
 
 
-def test_trainer_scores_samples_at_the_sampling_temperature(family_model, tmp_path):
-    """Synchronous step 0: the policy is the behaviour policy, so the mismatch KL is float noise.
-    Scored at temperature 1 instead, the same samples show the bias the issue measured."""
+@pytest.mark.parametrize("batching", ["rows", "continuous"])
+def test_trainer_scores_samples_at_the_sampling_temperature(family_model, batching):
+    """Synchronous step 0: the policy is the behaviour policy, so the mismatch KL is float noise, with
+    either HF engine (its own loop; transformers' continuous batching). Scored at temperature 1
+    instead, the same samples show the bias the issue measured."""
     args, path = family_model
-    engine = HFEngine.from_pretrained(path)
+    engine = make_engine("hf", path, "float32", [], hf_batching=batching)
     prompts = [[5, 9, 17, 33], [40, 41, 42]]
     completions = engine.generate(prompts, temperature=0.7, top_p=1.0, max_new_tokens=24, seed=1)
+    if hasattr(engine, "close"):
+        engine.close()
     length = max(len(p) + len(c.completion_ids) for p, c in zip(prompts, completions))
     batch = {k: torch.zeros(len(prompts), length) for k in ("inference_logprobs", "advantages")}
     batch["input_ids"] = torch.zeros(len(prompts), length, dtype=torch.long)

@@ -157,7 +157,7 @@ def test_continuous_batching_runs_multi_turn_episodes_under_the_same_contract(po
     """transformers' continuous batching behind the scheduler: episodes of several turns, tool calls
     running at once, each sampled token's logprob that of a full forward over its episode."""
     task = ConcurrencyGatedPollTask(1, 6)
-    sched = scheduler(poll_model, task, batching="continuous")
+    sched = scheduler(poll_model, task, batching="continuous", max_tokens=8192)
     try:
         prompts = task.sample_prompts(random.Random(1), 4)
         groups = run_groups(sched, [GroupRequest(f"g{i}", p, 2, seed=i) for i, p in enumerate(prompts)])
