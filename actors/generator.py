@@ -44,7 +44,7 @@ class GeneratorActor(Actor):
             engine_limits(config),
             g.vllm_log_level,
             g.hf_batching,
-            config.seed,
+            config.seed + self.rank,  # continuous batching's one generator: ranks draw apart
         )
         if lora_generators(config):  # the trainer's adapters injected alike: a weight sync sends them alone
             add_lora(engine.model, config.model.lora).eval()

@@ -41,7 +41,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from meshrl.configs import load_config
-from meshrl.inference.hf_continuous import ContinuousHFEngine
+from meshrl.inference.hf_continuous import PAGE, ContinuousHFEngine
 from meshrl.inference.hf_engine import HFEngine
 from meshrl.loss_adapters.logprobs import hidden_states, lm_head_weight, sequence_token_logprobs
 from meshrl.trainer.core import TrainerCore
@@ -120,7 +120,8 @@ def trainer(path: Path, model_config: Qwen3Config, args: argparse.Namespace, dev
             "--trainer.activation_checkpointing", ac, "--trainer.attention", attention,
             "--trainer.compile", str(compiled).lower(),
         ]
-        for ac in args.ac for attention in args.attention for compiled in [False] + [True] * args.compile
+        for ac in args.ac for attention in args.attention
+        for compiled in [False] + [True] * (args.compile and ac != "selective")  # compile refuses selective
     }  # fmt: skip
     if args.lora:
         arms[f"lora r={args.lora} ac={args.ac[0]}"] = [
@@ -216,7 +217,7 @@ def engine(path: Path, prompts: int, prompt_len: int, new_tokens: int, device: s
     out = model.generate(ids, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=new_tokens,
                          min_new_tokens=new_tokens, attention_mask=torch.ones_like(ids))  # fmt: skip
     baseline = (out.shape[0] * (out.shape[1] - prompt_len)) / (synced() - start)
-    kv_tokens = prompts * (prompt_len + new_tokens)
+    kv_tokens = prompts * math.ceil((prompt_len + new_tokens) / PAGE) * PAGE  # whole pages per request
     for name, hf in (("rows", HFEngine(model, [model.config.eos_token_id])),
                      ("continuous", ContinuousHFEngine(model, [model.config.eos_token_id], kv_tokens=kv_tokens))):  # fmt: skip
         hf.generate(batch[:2], temperature=1.0, top_p=1.0, max_new_tokens=8, seed=0)  # warm-up

@@ -453,9 +453,10 @@ class TrainerConfig(Section):
     )
     compile: bool = Field(
         False,
-        description="torch.compile each decoder layer (as torchtitan does: one graph per layer, inside its "
-        "checkpointing, before FSDP2 wraps it). Its first steps pay the compile (again when row lengths first "
-        "vary); on a GPU it fuses the elementwise ops between the matmuls.",
+        description="torch.compile each decoder layer (inside its checkpointing, before FSDP2 wraps it; the "
+        "attention call stays out of the graphs, which break around it). Its first steps pay the compile (again "
+        "when row lengths first vary); on a GPU it fuses the elementwise ops between the matmuls. Not with "
+        "'selective' checkpointing.",
     )
     activation_offload: bool = Field(
         False,
@@ -474,6 +475,15 @@ class TrainerConfig(Section):
     @classmethod
     def _none_is_off(cls, value: Any) -> Any:
         return "none" if value is None else value  # the command line reads `none` as None
+
+    @model_validator(mode="after")
+    def _compile_keeps_full_checkpointing(self) -> TrainerConfig:
+        if self.compile and self.activation_checkpointing == "selective":
+            raise ValueError(
+                "trainer.compile with trainer.activation_checkpointing = 'selective' is refused: inside a compiled "
+                "layer the op-level policy sees the compiler's kernels and keeps no matmul output (use 'full')"
+            )
+        return self
 
     @model_validator(mode="after")
     def _offload_needs_checkpointing(self) -> TrainerConfig:

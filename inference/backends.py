@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from meshrl.inference.hf_continuous import ContinuousHFEngine
+from meshrl.inference.hf_continuous import PAGE, ContinuousHFEngine
 from meshrl.inference.hf_engine import HFEngine
 
 KV_BLOCK = 128  # tokens per KV block of vLLM's CPU build (16 on GPUs): the most an episode's last block wastes
@@ -45,8 +45,9 @@ def make_engine(
     if backend != "vllm":
         device = f"cuda:{gpus[0]}" if gpus else "cpu"
         if hf_batching == "continuous" or (hf_batching == "auto" and gpus):
+            kv_tokens = limits.max_tokens + limits.max_episodes * PAGE if limits else None  # a partial page each
             return ContinuousHFEngine.from_pretrained(model_path, dtype=dtype, device=device, seed=seed,
-                                                      kv_tokens=limits.kv_tokens if limits else None)  # fmt: skip
+                                                      kv_tokens=kv_tokens)  # fmt: skip
         return HFEngine.from_pretrained(model_path, dtype=dtype, device=device)
     from meshrl.inference.vllm_engine import VLLMEngine, set_vllm_log_level
 

@@ -10,8 +10,12 @@ caches and pays Python per token. The contract is `HFEngine`'s, as `VLLMEngine` 
 - stop ids end a turn (they are the request's end-of-sequence ids), and `max_new_tokens` bounds it;
 - a weight update pauses the generation loop (`manager.pause()`, which transformers made for updates
   in place), stamps what was sampled so far with the old version, then copies. Requests already
-  running keep their KV, as `HFEngine`'s episodes do; prefix sharing stays off, so no request
-  reuses another's blocks computed by older weights.
+  running keep their KV, as `HFEngine`'s turns do.
+
+What it costs: every turn is a request over its whole conversation, and prefix sharing stays off
+(transformers' block hashes carry no policy version, so a request could reuse blocks computed by
+older weights), so each turn prefills the conversation again, where `HFEngine` keeps each
+conversation's KV across turns.
 
 What it does not keep: `HFEngine` gives every sequence its own seeded generator, so a seed fixes
 each conversation's tokens whatever shares its batch. Here one generator, seeded with the run's
@@ -22,6 +26,8 @@ depends on timing: a seeded run is reproducible only with `generator.hf_batching
 from __future__ import annotations
 
 import math
+import threading
+import weakref
 from typing import Any
 
 from torch import Tensor
@@ -30,7 +36,8 @@ from transformers import GenerationConfig, PreTrainedModel
 from meshrl.inference.completion import Completion, check_sampling
 from meshrl.inference.hf_engine import HFEngine
 
-PAGE = 256  # tokens per KV page: transformers' default
+PAGE = 256  # tokens per KV page: transformers' default; a request's last page may waste PAGE - 1 tokens
+STOP_S = 30.0  # the longest a close waits for the generation loop to leave its step
 CPU_KV_TOKENS = 8192  # a manager's KV tokens on a CPU when the run gives no limits (the default takes most of RAM)
 
 
@@ -100,9 +107,9 @@ class ContinuousHFEngine(HFEngine):
     def _manager_for(self, temperature: float, top_p: float) -> Any:
         """The running manager if it samples as asked, else a new one (only when no request runs: a run
         and an evaluation's greedy or sampled pass each keep one sampling)."""
-        if self._manager is not None and self._sampling == (temperature, top_p):
+        if self._manager is not None and self._sampling == (temperature, top_p) and self._manager.is_running():
             return self._manager
-        if self._running:
+        if self._running and self._manager is not None and self._manager.is_running():
             raise RuntimeError(
                 f"continuous batching samples every running request alike: T {self._sampling} is running, "
                 f"T ({temperature}, {top_p}) was asked for"
@@ -119,13 +126,16 @@ class ContinuousHFEngine(HFEngine):
         sizes = {}
         if self.kv_tokens is not None:
             sizes = {"num_blocks": math.ceil(self.kv_tokens / PAGE) + 1, "max_batch_tokens": min(self.kv_tokens, 8192)}
+        # Synchronous batching: with async double-buffering a step's tokens arrive after the next step
+        # was prepared, so a pause for a weight update would stamp them with the new version.
         batching = ContinuousBatchingConfig(return_logprobs=True, allow_block_sharing=False, seed=self.seed,
-                                            page_size=PAGE, **sizes)  # fmt: skip
+                                            page_size=PAGE, use_async_batching=False, **sizes)  # fmt: skip
         self._manager = self.model.init_continuous_batching(
             generation_config=config, continuous_batching_config=batching
         )
         self._manager.start()
-        self._sampling = (temperature, top_p)
+        self._sampling, self._running = (temperature, top_p), 0
+        _open.add(self)
         return self._manager
 
     def _queued(self, wait: float = 0.0) -> list[Any]:
@@ -146,17 +156,32 @@ class ContinuousHFEngine(HFEngine):
         self._running -= 1
 
     def close(self) -> None:
-        """Stop the manager's generation loop and free its cache."""
+        """Stop the manager's generation loop now (requests still running are failed) and free its cache.
+        Its thread is not a daemon: an engine left open would keep its process from exiting."""
         if self._manager is not None:
-            self._manager.stop(block=True)
-            self.model.destroy_cached_continuous_batching_manager()
-            self._manager, self._sampling = None, None
+            manager, self._manager, self._sampling, self._running = self._manager, None, None, 0
+            manager.stop(block=True, timeout=STOP_S, hard_stop=True)
+            manager.destroy()
+        _open.discard(self)
 
     def __del__(self) -> None:
         try:
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown: the manager's thread may be gone already
             pass
+
+
+_open: weakref.WeakSet[ContinuousHFEngine] = weakref.WeakSet()  # engines whose loop runs, closed at exit
+
+
+def _close_open() -> None:
+    for engine in list(_open):
+        engine.close()
+
+
+# Before the interpreter joins non-daemon threads (`atexit` runs only after): concurrent.futures'
+# executors stop their workers through the same hook.
+threading._register_atexit(_close_open)
 
 
 class ContinuousSequence:

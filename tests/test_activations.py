@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from meshrl.configs import load_config
@@ -233,6 +234,57 @@ def test_each_kernel_is_eager_attention_with_or_without_a_sliding_window(family,
     for name, grad in packed_grads.items():
         torch.testing.assert_close(grad, sum(part[name] for _, part in alone), **tolerance, msg=name)
     assert packed_grads.keys() == (alone[0][1].keys() if grads else set())
+
+
+def _flash_varlen_contract(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                           enable_gqa=False, **_):  # fmt: skip
+    """`varlen_attn` as its documentation defines it, for the CPU (flash kernels are CUDA's): each
+    document of the flat (tokens, heads, dim) inputs attends keys within (left, right) of each query,
+    −1 meaning unbounded on that side, so the default (−1, −1) attends both ways."""
+    out = torch.empty_like(q)
+    left, right = window_size
+    for start, end in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+        at = torch.arange(end - start)
+        mask = torch.ones(end - start, end - start, dtype=torch.bool)
+        if left >= 0:
+            mask &= at[None, :] >= at[:, None] - left
+        if right >= 0:
+            mask &= at[None, :] <= at[:, None] + right
+        part = [t[start:end].transpose(0, 1) for t in (q, k, v)]
+        out[start:end] = F.scaled_dot_product_attention(
+            *part, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
+        ).transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_varlen_path_asks_the_kernel_for_causal_windows(family, monkeypatch):
+    """The varlen path's layout, bounds and window arguments, with PyTorch's kernel stood in by its
+    documented contract (it runs on CUDA only): a packed row scores as eager attention scores each
+    sample alone. Without an explicit causal window the kernel attends both ways."""
+    import inspect
+
+    import transformers
+    from torch.nn.attention.varlen import varlen_attn
+
+    from meshrl.trainer import attention
+
+    monkeypatch.setattr(
+        attention, "_varlen", lambda: (_flash_varlen_contract, set(inspect.signature(varlen_attn).parameters))
+    )
+    monkeypatch.setattr(attention, "HALF", (torch.float32,))  # the flash path for float32 tensors here
+    called, varlen = [], attention.varlen_documents
+    monkeypatch.setattr(attention, "varlen_documents", lambda *a: called.append(1) or varlen(*a))
+    config_class, extra = FAMILIES[family]
+    model = _small(getattr(transformers, config_class), **extra)
+    lengths = [16, 3, 11]
+    ids = torch.randint(0, 64, (1, sum(lengths)), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        alone = torch.cat([model(part).logits for part in ids.split(lengths, dim=1)], dim=1)
+        use_document_attention(model, "varlen")
+        packed = model(ids, position_ids=torch.cat([torch.arange(n) for n in lengths])[None]).logits
+    assert called
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
 
 
 def test_the_documents_are_found_once_per_micro_batch_and_laid_end_to_end():

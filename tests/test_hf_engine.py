@@ -4,6 +4,7 @@ a teacher-forced forward, left padding is invisible, stops, updates and seeds be
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -296,3 +297,22 @@ def test_continuous_turns_continue_a_conversation_and_an_update_stamps_each_toke
     expected = reference_logprobs(before, PROMPTS[0], seq.turn.completion_ids[:cut], 1.0, 1.0)
     torch.testing.assert_close(torch.tensor(seq.turn.logprobs[:cut], dtype=torch.float64), expected, rtol=0, atol=2e-5)
     engine.close()
+
+
+def test_a_process_with_a_continuous_engine_left_open_still_exits():
+    """transformers' generation loop is not a daemon thread: an engine nobody closed (an eval that
+    raised) is closed at exit, so its process ends instead of hanging."""
+    import subprocess
+    import sys
+
+    here = Path(__file__).parent
+    script = (
+        f"import sys; sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]\n"
+        "from meshrl.inference.hf_continuous import ContinuousHFEngine\n"
+        "from test_hf_engine import peaked_llama\n"
+        "engine = ContinuousHFEngine(peaked_llama(0), [96], kv_tokens=2048)\n"
+        "engine.generate([[5, 6, 7]], temperature=1.0, top_p=1.0, max_new_tokens=4, seed=0)\n"
+        "raise SystemExit(3)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], timeout=120, capture_output=True, text=True)
+    assert done.returncode == 3, done.stderr[-2000:]

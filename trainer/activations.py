@@ -53,6 +53,8 @@ MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten._grouped_
 ATTENTION = {aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
              aten._scaled_dot_product_cudnn_attention.default, aten._flash_attention_forward.default,
              aten._scaled_dot_product_flash_attention_for_cpu.default}  # fmt: skip
+if hasattr(torch.ops.higher_order, "flex_attention"):
+    ATTENTION.add(torch.ops.higher_order.flex_attention)
 try:  # PyTorch's varlen kernel (trainer/attention.py) registers its op on import
     import torch.nn.attention.varlen
 

@@ -13,8 +13,10 @@ memory, through one of (`trainer.attention`):
 
 `auto` takes `varlen` on a CUDA device that has it, `flex` on other CUDA devices, `sdpa` elsewhere.
 A micro-batch whose rows are one document each is one causal SDPA call on every kernel (flash).
-The documents' bounds are found once per micro-batch (one host sync), not once per layer: every
-layer gets the same position-ids tensor, and its `Documents` are kept beside it.
+The documents' bounds are found once per micro-batch (a host sync per row), not once per layer:
+every layer gets the same position-ids tensor, and its `Documents` are kept beside it. Under
+`trainer.compile` the attention call stays out of the layers' graphs (those bounds would specialise
+a graph per packing).
 
 Registered with transformers as the attention implementations `meshrl_documents[_flex|_varlen]` (the
 trainer's policy and reference models use it). Calls that carry a padding mask, or a KV cache, go to
@@ -98,6 +100,7 @@ def documents(position_ids: torch.Tensor, rows: int) -> Documents:
     return found
 
 
+@torch.compiler.disable  # `trainer.compile`: its host-side bounds would specialise a layer's graph per packing
 def document_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -117,6 +120,8 @@ def document_attention(
     window = kwargs.get("sliding_window")
     docs = documents(position_ids, query.shape[0])
     if dropout == 0.0 and not docs.one_each:
+        if kernel == "varlen":
+            query, key, value = _in_autocast_dtype(query, key, value)
         if kernel == "varlen" and query.dtype in HALF:
             return varlen_documents(query, key, value, docs, scaling, window), None
         if kernel == "flex":
@@ -132,6 +137,16 @@ def document_attention(
         rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
     out = rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _in_autocast_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors in autocast's dtype where it is on, as SDPA would take them: under autocast over
+    float32 weights, RoPE's float32 tables leave the queries and keys float32 (the values bf16)."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) for t in tensors)
 
 
 @cache
@@ -158,7 +173,8 @@ def varlen_documents(
     window: int | None,
 ) -> torch.Tensor:  # fmt: skip
     """Every document of the micro-batch in one flash varlen call; (batch, seq, heads, head_dim) out.
-    A window of W keys is flash's (W − 1, 0): each query sees itself and the W − 1 before it."""
+    The kernel is causal only when told so by its window, (−1, 0): its default (−1, −1) attends both
+    ways. A window of W keys is flash's (W − 1, 0): each query sees itself and the W − 1 before it."""
     kernel, takes = _varlen()
     batch, heads, length, width = query.shape
     flat = lambda t: t.transpose(1, 2).reshape(batch * length, t.shape[1], width)  # noqa: E731
@@ -169,10 +185,12 @@ def varlen_documents(
             extra["enable_gqa"] = True
         else:
             k, v = (t.repeat_interleave(heads // key.shape[1], dim=1) for t in (k, v))
-    if window is not None:
-        if "window_size" not in takes:
-            return flex_documents(query, key, value, docs, scaling, window)
-        extra["window_size"] = (window - 1, 0)
+    if "window_size" in takes:
+        extra["window_size"] = (-1, 0) if window is None else (window - 1, 0)
+    elif "is_causal" in takes and window is None:  # an older signature: causal by flag, no windows
+        extra["is_causal"] = True
+    else:
+        return flex_documents(query, key, value, docs, scaling, window)
     out = kernel(q, k, v, docs.cu_seqlens, docs.cu_seqlens, docs.max_length, docs.max_length, **extra)
     return out.view(batch, length, heads, width)
 
