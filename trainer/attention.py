@@ -13,7 +13,7 @@ memory, through one of (`trainer.attention`):
 
 `auto` takes `varlen` on a CUDA device that has it, `flex` on other CUDA devices, `sdpa` elsewhere.
 A micro-batch whose rows are one document each is one causal SDPA call on every kernel (flash).
-The documents' bounds are found once per micro-batch (a host sync per row), not once per layer:
+The documents' bounds are found once per micro-batch (one host sync), not once per layer:
 every layer gets the same position-ids tensor, and its `Documents` are kept beside it. Under
 `trainer.compile` the attention call stays out of the layers' graphs (those bounds would specialise
 a graph per packing).
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from functools import cache, partial
+from functools import cache, cached_property, partial
 from typing import Any, Literal
 
 import torch
@@ -56,47 +56,52 @@ UNSUPPORTED = {
 
 @dataclass
 class Documents:
-    """One micro-batch's documents: the bounds every layer attends within."""
+    """One micro-batch's documents: the bounds every layer attends within. What one kernel alone
+    reads (varlen's cumulative starts, FlexAttention's per-token index) is derived when it asks."""
 
     spans: list[list[tuple[int, int]]]  # [start, end) of each document, per row
-    cu_seqlens: torch.Tensor  # int32 document starts over the rows laid end to end, then the total
-    max_length: int
-    ids: torch.Tensor  # (rows, length) the document index of each token, for FlexAttention's mask
+    length: int  # tokens a row
+    device: torch.device
     block_masks: dict[int | None, Any] = field(default_factory=dict)  # FlexAttention's, by window
 
     @property
     def one_each(self) -> bool:
         return all(len(row) == 1 for row in self.spans)
 
+    @cached_property
+    def cu_seqlens(self) -> torch.Tensor:
+        """int32 document starts over the rows laid end to end, then the total (varlen's layout)."""
+        starts = [r * self.length + s for r, row in enumerate(self.spans) for s, _ in row]
+        return torch.tensor([*starts, len(self.spans) * self.length], dtype=torch.int32, device=self.device)
+
+    @cached_property
+    def max_length(self) -> int:
+        return max(e - s for row in self.spans for s, e in row)
+
+    @cached_property
+    def ids(self) -> torch.Tensor:
+        """(rows, length) the document index of each token (FlexAttention's mask reads it)."""
+        lengths = torch.tensor([e - s for row in self.spans for s, e in row], dtype=torch.long)
+        rows = torch.tensor([i for row in self.spans for i in range(len(row))], dtype=torch.int32)
+        return rows.repeat_interleave(lengths).view(len(self.spans), self.length).to(self.device)
+
 
 _found: WeakIdKeyDictionary = WeakIdKeyDictionary()  # position ids → their Documents (one forward's layers)
 
 
-def document_spans(position_ids: torch.Tensor) -> list[tuple[int, int]]:
-    """[start, end) of each document in one row: a new one wherever the position does not go up by 1."""
-    starts = torch.nonzero(position_ids[1:] != position_ids[:-1] + 1).flatten() + 1
-    bounds = [0, *starts.tolist(), position_ids.numel()]
-    return list(zip(bounds[:-1], bounds[1:]))
-
-
 def documents(position_ids: torch.Tensor, rows: int) -> Documents:
-    """The documents of `rows` rows of these position ids (one row broadcast to all), found once."""
+    """The documents of `rows` rows of these position ids (one row broadcast to all), found once and
+    read back in one transfer: a new document wherever the position does not go up by 1."""
     found = _found.get(position_ids)
     if found is not None and len(found.spans) == rows:
         return found
     positions = position_ids.expand(rows, -1)
     length = positions.shape[1]
-    new = (positions[:, 1:] != positions[:, :-1] + 1).flatten(1)
-    ids = torch.cat([torch.zeros_like(new[:, :1]), new], dim=1).cumsum(1).to(torch.int32)
-    spans = [document_spans(row) for row in positions]
-    starts = [r * length + s for r, row in enumerate(spans) for s, _ in row] + [rows * length]
-    found = Documents(
-        spans=spans,
-        cu_seqlens=torch.tensor(starts, dtype=torch.int32, device=position_ids.device),
-        max_length=max(e - s for row in spans for s, e in row),
-        ids=ids,
-    )
-    _found[position_ids] = found
+    bounds: list[list[int]] = [[0] for _ in range(rows)]
+    for row, before in torch.nonzero(positions[:, 1:] != positions[:, :-1] + 1).tolist():
+        bounds[row].append(before + 1)
+    spans = [list(zip(row, [*row[1:], length])) for row in bounds]
+    found = _found[position_ids] = Documents(spans, length, position_ids.device)
     return found
 
 
