@@ -30,6 +30,40 @@ class Completion:
     versions: list[int] = field(default_factory=list)
 
 
+class RequestSequence:
+    """One conversation on an engine that holds its KV memory itself (vLLM, transformers' continuous
+    batching): its ids, its current turn, and the request that samples that turn."""
+
+    cached = 0  # the engine manages its KV memory: nothing counts against the scheduler's cap
+
+    def __init__(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("a sequence needs at least one token to condition on")
+        self.ids = list(ids)
+        self.turn: Completion | None = None
+        self.request_id = ""
+
+    def extend(self, ids: list[int]) -> None:
+        """Append ids the model did not sample (a tool turn); the next turn's request carries them."""
+        self.ids += ids
+
+    def release(self) -> None:
+        """Nothing to drop: the engine frees or evicts a request's blocks itself."""
+
+
+class RequestBatch:
+    """Such an engine's running turns, by request id; a backend's `step` collects their tokens."""
+
+    def __init__(self) -> None:
+        self.running: dict[str, Any] = {}
+
+    def __len__(self) -> int:
+        return len(self.running)
+
+    def add(self, seq: RequestSequence) -> None:
+        self.running[seq.request_id] = seq
+
+
 def request_seeds(seed: int | None, count: int) -> list[int | None]:
     """One seed per request, drawn from `seed`.
 

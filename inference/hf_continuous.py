@@ -33,7 +33,7 @@ from typing import Any
 from torch import Tensor
 from transformers import GenerationConfig, PreTrainedModel
 
-from meshrl.inference.completion import Completion, check_sampling
+from meshrl.inference.completion import Completion, RequestBatch, RequestSequence, check_sampling
 from meshrl.inference.hf_engine import HFEngine
 
 PAGE = 256  # tokens per KV page: transformers' default; a request's last page may waste PAGE - 1 tokens
@@ -184,40 +184,23 @@ def _close_open() -> None:
 threading._register_atexit(_close_open)
 
 
-class ContinuousSequence:
-    """One conversation's ids and current turn; the manager's paged cache holds its KV while it runs."""
-
-    cached = 0  # transformers manages its KV memory itself: nothing counts against the scheduler's cap
+class ContinuousSequence(RequestSequence):
+    """One conversation's ids and current turn; the manager's paged cache holds its KV while it runs,
+    and frees a finished request's blocks."""
 
     def __init__(self, ids: list[int]) -> None:
-        if not ids:
-            raise ValueError("a sequence needs at least one token to condition on")
-        self.ids = list(ids)
-        self.turn: Completion | None = None
+        super().__init__(ids)
         self.stops: set[int] = set()
-        self.request_id = ""
-
-    def extend(self, ids: list[int]) -> None:
-        self.ids += ids
-
-    def release(self) -> None:
-        """Nothing to drop: a finished request's blocks are freed by the manager."""
 
 
-class ContinuousBatch:
+class ContinuousBatch(RequestBatch):
     """The manager's running requests; `step` collects the tokens its loop sampled since the last step."""
 
     WAIT = 0.05  # seconds a step waits for the first new output, so the scheduler's loop does not spin
 
     def __init__(self, engine: ContinuousHFEngine) -> None:
+        super().__init__()
         self.engine = engine
-        self.running: dict[str, ContinuousSequence] = {}
-
-    def __len__(self) -> int:
-        return len(self.running)
-
-    def add(self, seq: ContinuousSequence) -> None:
-        self.running[seq.request_id] = seq
 
     def step(self) -> list[ContinuousSequence]:
         """The tokens sampled since the last step; returns the sequences whose turn ended."""

@@ -25,7 +25,7 @@ from typing import Any
 from safetensors import safe_open
 from torch import Tensor
 
-from meshrl.inference.completion import Completion, check_sampling, generate_all
+from meshrl.inference.completion import Completion, RequestBatch, RequestSequence, check_sampling, generate_all
 
 
 def to_sampling_kwargs(
@@ -389,39 +389,22 @@ class VLLMEngine:
                             stop_token_ids=stop_token_ids, seed=seed)  # fmt: skip
 
 
-class VLLMSequence:
-    """One conversation's ids and current turn; vLLM's prefix cache holds its KV blocks."""
-
-    cached = 0  # vLLM manages its KV memory itself: nothing counts against the scheduler's cap
+class VLLMSequence(RequestSequence):
+    """One conversation's ids and current turn; vLLM's prefix cache holds its KV blocks. Each turn's
+    request draws its seed from the conversation's own generator."""
 
     def __init__(self, ids: list[int], seed: int | None) -> None:
-        if not ids:
-            raise ValueError("a sequence needs at least one token to condition on")
-        self.ids = list(ids)
+        super().__init__(ids)
         self.rng = random.Random(seed)
-        self.turn: Completion | None = None
         self.turns = 0
-        self.request_id = ""
-
-    def extend(self, ids: list[int]) -> None:
-        self.ids += ids
-
-    def release(self) -> None:
-        """Nothing to drop: vLLM evicts prefix-cache blocks itself."""
 
 
-class VLLMBatch:
+class VLLMBatch(RequestBatch):
     """The engine's running requests, advanced by `LLMEngine.step` (vLLM's own continuous batching)."""
 
     def __init__(self, engine: VLLMEngine) -> None:
+        super().__init__()
         self.engine = engine
-        self.running: dict[str, VLLMSequence] = {}
-
-    def __len__(self) -> int:
-        return len(self.running)
-
-    def add(self, seq: VLLMSequence) -> None:
-        self.running[seq.request_id] = seq
 
     def step(self) -> list[VLLMSequence]:
         """One engine step; returns the sequences whose turn ended."""
