@@ -64,8 +64,7 @@ def main() -> None:
             print(f"{name:>13}: start-up {started:.1f} s, {rates[name]:.0f} sampled tokens/s "
                   f"({args.prompts} x {args.new_tokens} tokens, T 0.7), {rates[name] / rates[args.engines[0]]:.2f}x "
                   f"{args.engines[0]}", flush=True)  # fmt: skip
-            if hasattr(engine, "close"):
-                engine.close()
+            engine.close()
             del engine
 
 

@@ -228,8 +228,7 @@ def engine(path: Path, prompts: int, prompt_len: int, new_tokens: int, device: s
         print(f"engine {name}: {prompts} prompts x {prompt_len} tokens, {sampled} sampled in {seconds:.1f} s: "
               f"{sampled / seconds:,.0f} sampled tokens/s (bf16, T 1.0); transformers' generate "
               f"{baseline:,.0f} tokens/s; ratio {sampled / seconds / baseline:.2f}", flush=True)  # fmt: skip
-        if isinstance(hf, ContinuousHFEngine):
-            hf.close()
+        hf.close()
     del model
 
 

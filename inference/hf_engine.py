@@ -111,6 +111,9 @@ class HFEngine:
                 current[name].copy_(tensor)
         self._version = version
 
+    def close(self) -> None:
+        """Nothing to stop: the decode loop runs on the caller's thread (continuous batching's does not)."""
+
     def sequence(self, ids: list[int], seed: int | None = None) -> Sequence:
         """A conversation starting with `ids`, sampling from a generator seeded with `seed`."""
         return Sequence(ids, seed, self.device)

@@ -340,6 +340,10 @@ class VLLMEngine:
         if self._broken is not None:
             raise EngineBroken(self._broken)
 
+    def close(self) -> None:
+        """Nothing to stop: vLLM steps only when called (its engine core is in this process); the
+        engine and its thread go with the last reference."""
+
     def sequence(self, ids: list[int], seed: int | None = None) -> VLLMSequence:
         return VLLMSequence(ids, seed)
 

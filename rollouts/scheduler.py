@@ -169,8 +169,7 @@ class EpisodeScheduler:
         for thread in self._threads:
             thread.join(timeout=10)
         self._tools.shutdown(wait=False, cancel_futures=True)
-        if hasattr(self.engine, "close"):  # an engine with a thread of its own (continuous batching) stops it
-            self.engine.close()
+        self.engine.close()  # an engine with a thread of its own (continuous batching) stops it
         for rollout in list(self._open.values()):  # episodes cancelled or failed mid-way
             self._end_episode(rollout)
 

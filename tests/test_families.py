@@ -45,8 +45,7 @@ def test_trainer_scores_samples_at_the_sampling_temperature(family_model, batchi
     engine = make_engine("hf", path, "float32", [], hf_batching=batching)
     prompts = [[5, 9, 17, 33], [40, 41, 42]]
     completions = engine.generate(prompts, temperature=0.7, top_p=1.0, max_new_tokens=24, seed=1)
-    if hasattr(engine, "close"):
-        engine.close()
+    engine.close()
     length = max(len(p) + len(c.completion_ids) for p, c in zip(prompts, completions))
     batch = {k: torch.zeros(len(prompts), length) for k in ("inference_logprobs", "advantages")}
     batch["input_ids"] = torch.zeros(len(prompts), length, dtype=torch.long)

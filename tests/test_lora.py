@@ -135,8 +135,7 @@ def test_an_hf_engine_with_the_adapters_injected_takes_them_alone_and_samples_th
             scored = sequence_token_logprobs(core.model, full_ids)[0, len(turn.prompt_ids) :]
             assert turn.versions == [2] * len(turn.completion_ids)
             torch.testing.assert_close(torch.tensor(turn.logprobs), scored, rtol=0, atol=5e-5)
-    if hasattr(engine, "close"):
-        engine.close()
+    engine.close()
     full = core.weights(torch.float32)
     assert sum(v.numel() for v in sent.values()) < 0.2 * sum(v.numel() for v in full.values())
 
