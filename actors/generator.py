@@ -45,6 +45,7 @@ class GeneratorActor(Actor):
             g.vllm_log_level,
             g.hf_batching,
             config.seed + self.rank,  # continuous batching's one generator: ranks draw apart
+            record_routing=config.trainer.routing_replay is not False,  # a mixture of experts' routing, replayed
         )
         if lora_generators(config):  # the trainer's adapters injected alike: a weight sync sends them alone
             add_lora(engine.model, config.model.lora).eval()

@@ -433,6 +433,14 @@ class TrainerConfig(Section):
         "Transformer's, as Qwen3-MoE adds it in transformers; top-k when the load is even) added to the RL "
         "loss; 0 = off. A dense model with it set is refused.",
     )
+    routing_replay: bool | None = Field(
+        None,
+        description="Mixture-of-experts policies: route each sampled token to the experts the sampler chose for "
+        "it (recorded by the generator, carried with the rollout), with gate weights from the trainer's own "
+        "router over those experts, in the policy's and the reference's forwards; tokens without a record route "
+        "freely. None = on for a mixture of experts; true with a dense model is refused; false: the generators "
+        "record nothing and the trainer routes every token itself.",
+    )
     attention: Literal["auto", "sdpa", "flex", "varlen"] = Field(
         "auto",
         description="The kernel packed rows attend through, document by document: 'sdpa' (one SDPA call per "

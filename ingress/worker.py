@@ -104,7 +104,8 @@ class RolloutWorker:
         gpus = [0] if torch.cuda.is_available() else []
         backend = self.backend if self.backend != "auto" else "vllm" if gpus and _has_vllm() else "hf"
         sizes = EngineLimits(spec.max_episode_tokens, self.max_tokens, self.max_episodes)
-        engine = make_engine(backend, str(path), spec.dtype, gpus, sizes, spec.vllm_log_level)
+        engine = make_engine(backend, str(path), spec.dtype, gpus, sizes, spec.vllm_log_level,
+                             record_routing=spec.record_routing)  # fmt: skip
         if self.lora is not None and backend == "hf":
             add_lora(engine.model, self.lora).eval()  # the trainer's adapters, under the same names
         elif self.lora is not None:

@@ -77,7 +77,7 @@ PEAK = "_max"  # a metric named so is a largest value: reduced by max, over samp
 
 
 def _forward_kwargs(batch: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
-    return {k: batch[prefix + k] for k in ("attention_mask", "position_ids") if prefix + k in batch}
+    return {k: batch[prefix + k] for k in ("attention_mask", "position_ids", "routed_experts") if prefix + k in batch}
 
 
 def sample_spans(batch: dict[str, Tensor]) -> list[tuple[int, int, int]]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from meshrl.models.routing import routed
+
 
 def _matmul_dtype(hidden: Tensor) -> torch.dtype:
     """The dtype the head matmul runs in: autocast's when it is on (bf16 compute over fp32
@@ -110,12 +112,17 @@ def lm_head_weight(model: nn.Module) -> Tensor:
     return head.weight + sum(head.get_delta_weight(name) for name in head.active_adapters if name in adapters)
 
 
-def hidden_states(model: nn.Module, input_ids: Tensor, **forward_kwargs) -> Tensor:
+def hidden_states(
+    model: nn.Module, input_ids: Tensor, routed_experts: Tensor | None = None, **forward_kwargs
+) -> Tensor:
     """Last hidden states (B, T, H) of an HF causal LM's trunk (after its final norm).
 
     No KV cache: without one, HF builds a block-diagonal mask from packed position ids.
+    `routed_experts` (B, T, layers, k): a mixture of experts' recorded routing of these tokens, which
+    its routers take if the trainer replays routing (`models.routing`).
     """
-    return model.get_decoder()(input_ids=input_ids, use_cache=False, **forward_kwargs).last_hidden_state
+    with routed(routed_experts):
+        return model.get_decoder()(input_ids=input_ids, use_cache=False, **forward_kwargs).last_hidden_state
 
 
 def sequence_token_logprobs(

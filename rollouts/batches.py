@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from meshrl.models.routing import extended
 from meshrl.rollouts.episodes import Rollout, sampled_spans
 from meshrl.rollouts.packing import Encoded, pack_rows
 from meshrl.traces.collator import CollateStats, TraceCollator
@@ -97,7 +98,8 @@ def rl_shards(
             if ids.size > micro_batch_tokens:
                 ids, mask, lp = ids[:micro_batch_tokens], mask[:micro_batch_tokens], lp[:micro_batch_tokens]
                 truncated += 1
-            rows.append(Encoded(ids.astype(np.int64), mask.astype(bool), lp.astype(np.float32)))
+            routing = extended(segment.routing, ids.size)
+            rows.append(Encoded(ids.astype(np.int64), mask.astype(bool), lp.astype(np.float32), routing))
             values.append(a)
     shards: list[list[dict[str, Any]]] = [[] for _ in range(world)]
     if not rows:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from meshrl.configs.schema import RunConfig
@@ -29,11 +30,13 @@ log = logging.getLogger(__name__)
 @dataclass
 class Segment:
     """A context an episode left behind when it elided tool results (`generator.context_policy =
-    "elide"`): its ids, which of them were sampled in it, and their logprobs: a row of its own."""
+    "elide"`): its ids, which of them were sampled in it, their logprobs, and a mixture of experts'
+    routing of them: a row of its own."""
 
     token_ids: list[int]
     loss_mask: list[bool]
     logprobs: list[float]
+    routing: np.ndarray | None = None
 
 
 @dataclass
@@ -56,10 +59,13 @@ class Rollout:
     earlier: list[Segment] = field(default_factory=list)  # contexts left behind by elision, oldest first
     turn_ids: list[list[int]] = field(default_factory=list)  # each sampled turn's ids, in order
     elided: set[int] = field(default_factory=set)  # indices in `messages` of the tool results the policy sees elided
+    # A mixture of experts' routed experts of token_ids[:len(routing)] as the sampler recorded them
+    # (`models.routing`): its last turn's record; the tool turn after it is not routed yet.
+    routing: np.ndarray | None = None
 
     def segments(self) -> list[Segment]:
         """Every context the episode was sampled in: the earlier ones, then the current one."""
-        return [*self.earlier, Segment(self.token_ids, self.loss_mask, self.logprobs)]
+        return [*self.earlier, Segment(self.token_ids, self.loss_mask, self.logprobs, self.routing)]
 
     @property
     def version(self) -> int:
@@ -267,6 +273,7 @@ class EpisodeFormat:
         rollout.finish_reason = completion.finish_reason
         rollout.messages.append(message)
         rollout.turn_ids.append(list(completion.completion_ids))
+        rollout.routing = completion.routing  # the whole context's, as the engine's cache holds it
         return message.get("tool_calls", []) if completion.finish_reason == "stop" else []
 
     def goes_on(self, rollout: Rollout, calls: list[dict[str, Any]]) -> bool:
@@ -301,8 +308,9 @@ class EpisodeFormat:
             elided.add(index)
             ids = self.context_ids(rollout, elided)
             if self.limits.room_for_a_turn(len(ids)):
-                rollout.earlier.append(Segment(rollout.token_ids, rollout.loss_mask, rollout.logprobs))
+                rollout.earlier.append(rollout.segments()[-1])
                 rollout.token_ids, rollout.loss_mask, rollout.logprobs = ids, [False] * len(ids), [0.0] * len(ids)
+                rollout.routing = None
                 rollout.elided = elided
                 return True
         return False

@@ -37,7 +37,7 @@ def start_ingress(
         max_episode_tokens=limits.max_tokens, max_tool_result_tokens=limits.max_tool_tokens,
         context_policy=g.context_policy,
         lora=config.model.lora.model_dump() if config.model.lora is not None else None,
-        vllm_log_level=g.vllm_log_level,
+        vllm_log_level=g.vllm_log_level, record_routing=config.trainer.routing_replay is not False,
     )  # fmt: skip
     holder: list[IngressServer] = []  # the scorer reads the versions the server keeps
     scorer = Scorer(model_path, config.model.dtype, g.temperature, lambda v: holder[0].weights_path(v))

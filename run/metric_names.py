@@ -104,6 +104,13 @@ METRICS: dict[str, dict[str, str]] = {
         "moe/expert_load_max (0: an expert no token reached).",
         "moe/router_entropy": "Mixture-of-experts policies: mean entropy (nats) of the first layer's router "
         "distribution over the experts, per token of every rank (log num_experts: uniform).",
+        "moe/recorded_tokens": "Mixture-of-experts policies whose rollouts carry the sampler's routing "
+        "(trainer.routing_replay): the share of the step's RL training tokens with a recorded routing (0 where the "
+        "engine records none, as vLLM's CPU build; tool-turn tokens a later turn did not prefill have none).",
+        "moe/routing_drift": "With recorded routing: the share of recorded tokens (over every MoE layer) whose top-k "
+        "experts under the trainer's own router differ from the sampler's, before replay: how much of the "
+        "policy's forward routing replay changes (bf16 sampler numerics, weights steps ahead of the sampler's).",
+        "moe/routing_drift/layer_<i>": "moe/routing_drift of MoE layer i alone.",
         "moe/aux_loss": "With trainer.router_aux_loss_coef set: the load-balancing loss of the step's RL passes, "
         "num_experts · Σ_e f_e · P_e over every layer's real tokens, pads out (f_e: expert e's assignments per "
         "token, P_e: its mean router probability); an even load gives experts_per_token.",

@@ -12,7 +12,8 @@ Qwen3-0.6B, half of them ~20 GB. `offload` moves the kept layer inputs to host m
 pinned on a GPU); the outputs `selective` keeps stay on the device.
 
 The recompute runs every forward hook a second time; `recomputing()` lets a hook that counts
-(the MoE router statistics) tell the replay from the forward.
+(the MoE router statistics) tell the replay from the forward, and it runs under the recorded MoE
+routing its forward had (`models.routing`), so a replayed router chooses the same experts again.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from meshrl.configs.schema import TrainerConfig
+from meshrl.models.routing import current_routing, routed_flat
 
 _state = threading.local()
 
@@ -81,16 +83,19 @@ def _keep_every_other_matmul() -> Callable[..., CheckpointPolicy]:
 
 
 @contextmanager
-def _selective_recompute(cached: Any) -> Iterator[None]:
-    with cached, _recompute():
+def _recomputing(cached: Any, routing: torch.Tensor | None) -> Iterator[None]:
+    """A recompute: the selective policy's cached outputs, if any, and the routing the forward had."""
+    with cached, _recompute(), routed_flat(routing):
         yield
 
 
 def _contexts(selective: bool) -> tuple[Any, Any]:
+    """Called in the forward: the contexts of the forward and of its recompute in backward, which runs
+    outside the forward's own (a mixture of experts' recorded routing is captured here for it)."""
     if not selective:
-        return nullcontext(), _recompute()
+        return nullcontext(), _recomputing(nullcontext(), current_routing())
     caching, cached = create_selective_checkpoint_contexts(_keep_every_other_matmul())
-    return caching, _selective_recompute(cached)
+    return caching, _recomputing(cached, current_routing())
 
 
 def _checkpoint(function: Callable, *args: Any, offload: bool, selective: bool, device_type: str) -> Any:

@@ -53,6 +53,7 @@ from meshrl.loss_adapters.compose import (
 )
 from meshrl.loss_adapters.logprobs import sequence_token_logprobs
 from meshrl.models.chat_templates import renderer_template
+from meshrl.models.routing import force_routing, moe_routers
 from meshrl.trainer.activations import enable_checkpointing
 from meshrl.trainer.attention import attention_kernel, use_document_attention
 from meshrl.trainer.aux_batches import SFT, aux_micro_batches
@@ -260,6 +261,9 @@ class TrainerCore:
         # most updates at RL learning rates (1e-6 moves almost no bf16 weight).
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
         self.model.train()
+        # A mixture of experts trains on the experts its sampler chose (models/routing.py); the hooks go
+        # first, so the router statistics count what the forward used, and the reference copies them.
+        self.routing_replay = self._replays_routing(self.model)
         # Packed rows: O(tokens) memory, through the kernel trainer.attention names (trainer/attention.py).
         self.attention = attention_kernel(config.trainer.attention, self.device)
         use_document_attention(self.model, self.attention)
@@ -286,6 +290,8 @@ class TrainerCore:
         needs_ref = (loss.replay.weight > 0 and loss.replay.variant == "dpo") or self.ref_kl
         if self.fixed_ref:
             self.ref_model = AutoModelForCausalLM.from_pretrained(loss.reference_path, dtype=torch.float32)
+            if self.routing_replay:
+                force_routing(self.ref_model)
             use_document_attention(self.ref_model, self.attention)
             self.ref_model.to(self.device).eval().requires_grad_(False)
         elif needs_ref and self.adapters is None:
@@ -319,6 +325,13 @@ class TrainerCore:
         # DiLoCo, joined at the first RL step (warm-start steps are not inner steps)
         self.islands: Islands | None = None
         self._islands_state: dict[str, Any] | None = None  # a resumed checkpoint's, until it is applied
+
+    def _replays_routing(self, model: nn.Module) -> bool:
+        """Whether the trainer replays the sampler's routing (`trainer.routing_replay`), its hooks on `model`."""
+        replay, moe = self.config.trainer.routing_replay, bool(moe_routers(model))
+        if replay and not moe:
+            raise ValueError("trainer.routing_replay = true, but the model has no experts (no MoE routers)")
+        return bool(moe and replay is not False and force_routing(model))
 
     # ------------------------------------------------------------------ steps
 
