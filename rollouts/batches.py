@@ -135,7 +135,7 @@ def rollout_trace(rollout: Rollout, classifier: ErrorClassifier) -> TraceExample
         turns=turns,
         final_reward=rollout.reward,
         token_ids=list(rollout.token_ids),
-    )
+    ).with_routing(rollout.routing)
 
 
 def aux_shards(

@@ -210,3 +210,25 @@ def test_routing_replay_is_refused_where_it_cannot_run(tmp_path):
     assert make_engine("hf", path, "float32", [], record_routing=True).recorder is not None
     off = load_config([*MOE, "--trainer.routing_replay", "false"])
     assert not TrainerCore(off, path).routing_replay
+
+
+def test_sdpo_student_rows_replay_the_episodes_routing_and_teacher_rows_route_themselves(tmp_path):
+    """An SDPO site's student row (the episode's prefix) carries the episode's routing and its forward
+    takes it; the hinted teacher row has none, and its routers choose for themselves."""
+    from tests.test_trainer import sdpo_batch
+
+    config, path = _model(tmp_path, "--loss.sdpo.weight", "0.5")
+    core = TrainerCore(config, path)
+    batch = sdpo_batch(3, core.model.config.vocab_size, [3, 2])
+    rows, width = batch["sdpo_student_input_ids"].shape
+    record = torch.randint(0, 4, (rows, width, 2, 2), generator=torch.Generator().manual_seed(0)).to(torch.uint8)
+    record[..., 1] = (record[..., 0] + 1) % 4  # two distinct experts a token
+    record[0, :2] = 255  # positions without a record route freely
+    calls = _captured(core.model)
+    core.train_step([[]], [{**batch, "sdpo_student_routed_experts": record}], rl_tokens=0)
+    flat, known = record.flatten(0, 1).long(), (record.flatten(0, 1) < 4).all(-1).all(-1)
+    for layer in range(2):
+        student, teacher = [experts for i, experts, _ in calls if i == layer]
+        want = flat[:, layer].sort(-1).values
+        assert torch.equal(student[known].sort(-1).values, want[known])
+        assert not torch.equal(teacher[known].sort(-1).values, want[known])

@@ -8,6 +8,7 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -113,6 +114,8 @@ def test_replay_and_sdpo_rows_from_a_rollout_hold_its_sampled_ids():
     before, recovery = sample(rollout, malformed)  # the error site: its call is malformed (an error too)
     rollout.reward = 0.0
     assert rollout.tool_errors == 2 and rollout.messages[4]["tool_calls"][0]["function"]["name"] == "<malformed>"
+    # a mixture of experts' routing as the sampler recorded it (every position but the last)
+    rollout.routing = (np.arange((len(rollout.token_ids) - 1) * 4).reshape(-1, 2, 2) % 7).astype(np.uint8)
 
     example = rollout_trace(rollout, ErrorClassifier())
     state = trace_states(example)[1]
@@ -143,6 +146,11 @@ def test_replay_and_sdpo_rows_from_a_rollout_hold_its_sampled_ids():
     assert row(batch["sdpo_student_input_ids"][0], sdpo_mask) == (before, recovery)
     hinted, teacher_ids = row(batch["sdpo_teacher_input_ids"][0], sdpo_mask)
     assert teacher_ids == recovery and "Hint: the key is a." in tok.decode(hinted)
+    # SDPO's student row is the episode's prefix, left-padded: it replays the episode's routing; the
+    # teacher's hinted row routes itself (no record)
+    routed, n = batch["sdpo_student_routed_experts"][0], len(before) + len(recovery)
+    assert torch.equal(routed[-n:], torch.from_numpy(rollout.routing[:n])) and bool((routed[:-n] == 255).all())
+    assert "sdpo_teacher_routed_experts" not in batch and "dpo_chosen_routed_experts" not in batch
     # ids a trace brings are not trusted: one outside the vocabulary is refused, naming the trace
     forged = pair.model_copy(update={"rejected_token_ids": [*recovery, len(tok)]})
     with pytest.raises(ValueError, match=f"trace {pair.trace_id} turn 4: token ids outside the vocabulary"):

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from meshrl.models.routing import extended, unrecorded
 from meshrl.rollouts.packing import Encoded, pack_rows
 from meshrl.traces.schema import TraceExample, Turn
 
@@ -100,11 +101,12 @@ class Collated:
     stats: CollateStats
 
 
-def _then(before: np.ndarray, ids: np.ndarray) -> Encoded:
-    """A row of `before` then `ids`, the mask on `ids`."""
+def _then(before: np.ndarray, ids: np.ndarray, routing: np.ndarray | None = None) -> Encoded:
+    """A row of `before` then `ids`, the mask on `ids`; `routing`: the sampler's routing of the episode
+    whose prefix the row is (a mixture of experts), cut to the row."""
     mask = np.zeros(before.size + ids.size, dtype=bool)
     mask[before.size :] = True
-    return Encoded(np.concatenate([before, ids]).astype(np.int64), mask)
+    return Encoded(np.concatenate([before, ids]).astype(np.int64), mask, routing=extended(routing, mask.size))
 
 
 def _through_divergence(chosen: Encoded, rejected: Encoded) -> Encoded:
@@ -356,7 +358,8 @@ class TraceCollator:
                 sampled = ex.sampled_ids(turn)
                 if sampled is not None:
                     before, ids = (self._checked(part, ex.trace_id) for part in sampled)
-                    exact.append((_then(before, ids), _then(self._hinted_prompt(ex, k, hinted), ids)))
+                    # the student row is the episode's prefix, routed as sampled; the teacher's routes itself
+                    exact.append((_then(before, ids, ex.routing), _then(self._hinted_prompt(ex, k, hinted), ids)))
                     continue
                 students.append(messages[: k + 1])
                 teachers.append([*hinted, messages[k]])
@@ -487,6 +490,12 @@ class TraceCollator:
         attention = torch.zeros(len(rows), width, dtype=torch.long)
         mask = torch.zeros(len(rows), width, dtype=torch.bool)
         logprobs = torch.zeros(len(rows), width, dtype=torch.float32)
+        routed = next((r.routing for r in rows if r.routing is not None), None)
+        padded = (
+            {}
+            if routed is None
+            else {"routed_experts": unrecorded((len(rows), width, *routed.shape[1:]), routed.dtype)}
+        )
         for i, r in enumerate(rows):
             cols = slice(width - r.ids.size, width) if left else slice(0, r.ids.size)
             ids[i, cols] = torch.from_numpy(r.ids)
@@ -494,7 +503,10 @@ class TraceCollator:
             mask[i, cols] = torch.from_numpy(r.mask)
             if r.logprobs is not None:
                 logprobs[i, cols] = torch.from_numpy(r.logprobs)
-        return {"input_ids": ids, "attention_mask": attention, "mask": mask, "logprobs": logprobs}
+            if r.routing is not None:
+                padded["routed_experts"][i, cols] = r.routing
+        padded = {k: torch.from_numpy(v) for k, v in padded.items()}
+        return {"input_ids": ids, "attention_mask": attention, "mask": mask, "logprobs": logprobs, **padded}
 
     def __call__(
         self,
@@ -542,6 +554,8 @@ class TraceCollator:
                 loss_mask = torch.full_like(ids[half:], IGNORE)
                 loss_mask[mask[half:]] = 1
                 batch["sdpo_loss_mask"] = loss_mask
+                if "routed_experts" in padded_s:  # the students' (the teachers' rows route themselves)
+                    batch["sdpo_student_routed_experts"] = padded_s["routed_experts"][:half]
         chosen, rejected = self._dpo(pairs, stats)
         if chosen:
             for side, rows in (("chosen", chosen), ("rejected", rejected)):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 
 class _Strict(BaseModel):
@@ -87,6 +87,18 @@ class TraceExample(_Strict):
     token_ids: list[int] | None = Field(
         None, description="A sampled episode's exact ids: prompt, sampled turns and tool turns, as trained on."
     )
+    # A rollout's mixture-of-experts routing of token_ids (`models.routing`): its SDPO student rows
+    # replay it. Never in a trace file: only the run that sampled the episode has it.
+    _routing: Any = PrivateAttr(default=None)
+
+    def with_routing(self, routing: Any) -> TraceExample:
+        """The example, carrying the sampler's routing of its ids (a numpy record, or None)."""
+        self._routing = routing
+        return self
+
+    @property
+    def routing(self) -> Any:
+        return self._routing
 
     @model_validator(mode="after")
     def _spans_in_ids(self) -> TraceExample:
