@@ -807,6 +807,14 @@ class IngressConfig(Section):
         description="Largest mean |claimed - recomputed| logprob (nats) of an accepted episode's checked tokens "
         "(of each of its contexts, for an episode that elided tool results).",
     )
+    routing_tolerance: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="Mixture-of-experts policies: largest share of a re-scored context's positions whose claimed "
+        "routed experts differ from the controller's own router under the claimed version (the logprobs are "
+        "re-scored under the claimed routing): a worker cannot pick experts that favour its answer beyond it.",
+    )
     max_strikes: int = Field(
         3, ge=1, description="Rejected submissions after which a worker key is banned for the run."
     )

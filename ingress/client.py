@@ -21,7 +21,8 @@ from safetensors.torch import load as load_safetensors
 
 from meshrl.ingress.keys import load_pair, load_public
 from meshrl.ingress.protocol import Context, Episode, GroupResult, Lease, Reply, Spec, Verdict
-from meshrl.rollouts.episodes import Rollout
+from meshrl.models.routing import encode_record
+from meshrl.rollouts.episodes import Rollout, Segment
 
 AUTH_FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 
@@ -42,12 +43,17 @@ class Cancelled(IngressError):
     """The client's `stop` event was set while it waited for a reply (a worker told to stop)."""
 
 
+def to_context(segment: Segment) -> Context:
+    return Context(token_ids=segment.token_ids, loss_mask=segment.loss_mask, logprobs=segment.logprobs,
+                   routing=encode_record(segment.routing))  # fmt: skip
+
+
 def to_episode(rollout: Rollout) -> Episode:
     return Episode(
-        token_ids=rollout.token_ids, loss_mask=rollout.loss_mask, logprobs=rollout.logprobs,
+        **vars(to_context(rollout.segments()[-1])),
         versions=rollout.versions, messages=rollout.messages, finish_reason=rollout.finish_reason,
         reward=float(rollout.reward if rollout.reward is not None else 0.0),
-        earlier=[Context(**vars(segment)) for segment in rollout.earlier], elided=sorted(rollout.elided),
+        earlier=[to_context(segment) for segment in rollout.earlier], elided=sorted(rollout.elided),
     )  # fmt: skip
 
 

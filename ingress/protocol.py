@@ -54,6 +54,7 @@ class Context(Message):
     token_ids: list[int]
     loss_mask: list[bool]
     logprobs: list[float]  # the sampler's, 0 off the mask
+    routing: str | None = None  # a mixture of experts' routed experts of its first ids (`models.routing.encode_record`)
 
 
 class Episode(Context):

@@ -13,6 +13,12 @@ absolute difference, nats) is rejected. What the worker cannot forge without bei
 then: which prompt it answered, what the tools said, the reward trained on, and (up to the tolerance,
 for the tokens checked) the logprobs the trainer's importance ratios use.
 
+A mixture of experts' episode carries its routed experts (routing replay), which the trainer's forward
+then takes, so a worker could pick experts that favour its answer. A re-scored context is scored under
+its claimed routing (the logprobs must match under the experts the trainer will use), and the claim is
+held to the controller's own router under the claimed version: at most `routing_tolerance` of its
+positions' (layer by layer) experts may differ.
+
 An episode that elided tool results (`generator.context_policy = "elide"`) is rebuilt the same way:
 the controller's `EpisodeFormat` elides where the run's budget makes it, so each submitted context
 must end where the rule elides and the next must start as the shorter context it builds; the
@@ -32,6 +38,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
 
@@ -39,6 +46,7 @@ from meshrl.inference.completion import Completion
 from meshrl.inference.hf_engine import HFEngine
 from meshrl.ingress.protocol import Context, Episode
 from meshrl.loss_adapters.logprobs import sequence_token_logprobs
+from meshrl.models.routing import decode_record, extended, force_routing
 from meshrl.rollouts.episodes import EpisodeFormat, Rollout, Segment
 from meshrl.tasks.base import Prompt, ToolResult
 
@@ -87,12 +95,22 @@ class _Row:
     versions: list[int]  # of its sampled tokens
 
 
+@dataclass
+class Scored:
+    """A re-scored context: its logprobs, and a mixture of experts' own routing of it (None: dense)."""
+
+    logprobs: torch.Tensor
+    own_routing: np.ndarray | None
+
+
 class Scorer:
     """The policy at a claimed version, loaded from the versions the controller keeps, scoring
     token ids the way the trainer does (temperature-scaled log-softmax, full forward)."""
 
     def __init__(self, model_path: str, dtype: str, temperature: float, weights_path: Callable[[int], Path | None]):
-        self.engine = HFEngine.from_pretrained(model_path, dtype=dtype)
+        # a mixture of experts: its own routing recorded (hooks first), and a claimed routing replayed
+        self.engine = HFEngine.from_pretrained(model_path, dtype=dtype, record_routing=True)
+        force_routing(self.engine.model)
         self.temperature = temperature
         self.weights_path = weights_path
         self.loaded: int | None = None
@@ -100,9 +118,16 @@ class Scorer:
     def has(self, version: int) -> bool:
         return self.weights_path(version) is not None
 
+    @property
+    def experts(self) -> tuple[int, int, int] | None:
+        """(MoE layers, k, num_experts) of a mixture of experts; None for a dense model."""
+        recorder = self.engine.recorder
+        return None if recorder is None else (len(recorder.chosen), recorder.k, recorder.num_experts)
+
     @torch.inference_mode()
-    def logprobs(self, version: int, ids: list[int]) -> torch.Tensor:
-        """Logprob of each of `ids` given its prefix under policy `version` (position 0 is 0)."""
+    def logprobs(self, version: int, ids: list[int], routing: np.ndarray | None = None) -> Scored:
+        """Logprob of each of `ids` given its prefix under policy `version` (position 0 is 0), the forward
+        routed as `routing` claims where it claims (a mixture of experts), and its own routing."""
         if self.loaded != version:
             path = self.weights_path(version)
             if path is None:
@@ -110,7 +135,13 @@ class Scorer:
             self.engine.load_weights(load_file(str(path)), version)
             self.loaded = version
         batch = torch.tensor([ids], device=self.engine.device)
-        return sequence_token_logprobs(self.engine.model, batch, temperature=self.temperature)[0].float().cpu()
+        routed = extended(routing, len(ids))
+        routed = None if routed is None else torch.from_numpy(routed)[None].to(self.engine.device)
+        logprobs = sequence_token_logprobs(
+            self.engine.model, batch, temperature=self.temperature, routed_experts=routed
+        )
+        own = self.engine.recorder.take(1, len(ids))[0] if self.engine.recorder is not None else None
+        return Scored(logprobs[0].float().cpu(), own)
 
 
 class Verifier:
@@ -122,10 +153,11 @@ class Verifier:
         max_new_tokens: int,
         fraction: float,
         tolerance: float,
+        routing_tolerance: float = 0.1,
     ) -> None:
         self.format, self.scorer = episodes, scorer
         self.max_new_tokens = max_new_tokens
-        self.fraction, self.tolerance = fraction, tolerance
+        self.fraction, self.tolerance, self.routing_tolerance = fraction, tolerance, routing_tolerance
         self.vocab = len(episodes.tokenizer)
         self.max_len = int(getattr(scorer.engine.model.config, "max_position_embeddings", 1 << 30))
         self.stops = set(episodes.stop_ids) | set(scorer.engine.eos_token_ids)
@@ -170,6 +202,8 @@ class Verifier:
             raise Rejected(
                 "elision_mismatch", f"elided messages {ep.elided}, the budget elides {sorted(rollout.elided)}"
             )
+        for segment, context in zip([*rollout.earlier, rollout], at.contexts, strict=True):
+            segment.routing = self._claimed_routing(context)
         if ep.finish_reason != rollout.finish_reason:
             raise Rejected(
                 "bad_tokens", f"finish_reason {ep.finish_reason!r}, the tokens say {rollout.finish_reason!r}"
@@ -239,6 +273,18 @@ class Verifier:
                 "elision_mismatch",
                 f"context {at.k} does not begin as the episode with messages {sorted(rollout.elided)} elided",
             )
+
+    def _claimed_routing(self, context: Context) -> np.ndarray | None:
+        """A context's claimed routed experts, well-formed for this model (whether they are its router's
+        is `rescore`'s check)."""
+        if context.routing is None:
+            return None
+        if self.scorer.experts is None:
+            raise Rejected("bad_routing", "routed experts for a model without experts")
+        try:
+            return decode_record(context.routing, *self.scorer.experts, len(context.token_ids) - 1, "routing")
+        except ValueError as exc:
+            raise Rejected("bad_routing", str(exc)) from None
 
     def _leased_reward(self, prompt: Prompt, rollout: Rollout) -> float:
         """The reward an honest worker computes: the task scoring the episode on the prompt as
@@ -313,10 +359,13 @@ class Verifier:
         diffs: dict[int, list[float]] = {}
         for version in sorted(picks):
             for n, positions in picks[version].items():
-                segment = rows[n].segment
-                ours = self.scorer.logprobs(version, segment.token_ids[: max(positions) + 1])
-                diffs.setdefault(n, []).extend(abs(ours[p].item() - segment.logprobs[p]) for p in positions)
+                segment, routing = rows[n].segment, rows[n].segment.routing
+                end = max(max(positions) + 1, 0 if routing is None else len(routing))
+                scored = self.scorer.logprobs(version, segment.token_ids[:end], routing)
+                diffs.setdefault(n, []).extend(abs(scored.logprobs[p].item() - segment.logprobs[p]) for p in positions)
                 self.stats.checked_tokens += len(positions)
+                if routing is not None and len(routing):
+                    self._check_routing(rows[n].name, routing, scored.own_routing[: len(routing)], version)
         means = {n: sum(d) / len(d) for n, d in sorted(diffs.items())}
         for n, mean in means.items():
             self.stats.diffs.append(mean)
@@ -326,6 +375,17 @@ class Verifier:
                     f"{rows[n].name}: mean |Δ logprob| {mean:.3g} over {len(diffs[n])} tokens > tolerance {self.tolerance}",
                 )
         self.stats.max_accepted_diff = max([self.stats.max_accepted_diff, *means.values()])
+
+    def _check_routing(self, name: str, claimed: np.ndarray, own: np.ndarray, version: int) -> None:
+        """The claimed experts (position by position and layer by layer, as sets) against the router's own."""
+        differs = (np.sort(claimed, -1) != np.sort(own, -1)).any(-1)
+        share = float(differs.mean())
+        if share > self.routing_tolerance:
+            raise Rejected(
+                "routing_mismatch",
+                f"{name}: {share:.3g} of its claimed routed experts are not version {version}'s router's "
+                f"(routing_tolerance {self.routing_tolerance})",
+            )
 
 
 def _rows(rollouts: list[Rollout]) -> list[_Row]:

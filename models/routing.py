@@ -17,6 +17,7 @@ expert_indices)` over the flattened tokens, as transformers' Qwen3-MoE router do
 
 from __future__ import annotations
 
+import base64
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -62,6 +63,30 @@ def as_record(routing: object, positions: int, layers: int, k: int, num_experts:
     if array.size and (array.min() < 0 or array.max() >= num_experts):
         raise ValueError(f"{where}: routed experts outside 0..{num_experts - 1}")
     return array.astype(routing_dtype(num_experts))
+
+
+def encode_record(routing: np.ndarray | None) -> str | None:
+    """A record as text for a JSON frame (its bytes, little-endian, in base64); None stays None."""
+    return (
+        None
+        if routing is None
+        else base64.b64encode(routing.astype(routing.dtype.newbyteorder("<")).tobytes()).decode()
+    )
+
+
+def decode_record(text: str, layers: int, k: int, num_experts: int, most: int, where: str) -> np.ndarray:
+    """A record `encode_record` wrote for a model of `layers` MoE layers, top-`k` of `num_experts`, of at
+    most `most` positions; malformed text, a ragged length or an index that is no expert is refused."""
+    dtype = routing_dtype(num_experts).newbyteorder("<")
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except ValueError:
+        raise ValueError(f"{where}: routed experts are not base64") from None
+    per = layers * k * dtype.itemsize
+    if len(raw) % per or len(raw) // per > most:
+        raise ValueError(f"{where}: {len(raw)} bytes of routed experts, not whole positions ({per} bytes) up to {most}")
+    array = np.frombuffer(raw, dtype).reshape(-1, layers, k)
+    return as_record(array, len(array), layers, k, num_experts, where)
 
 
 def extended(routing: np.ndarray | None, positions: int) -> np.ndarray | None:

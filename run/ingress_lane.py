@@ -45,6 +45,7 @@ def start_ingress(
         EpisodeFormat(tokenizer, make_task(config.task), chat, limits), scorer,
         max_new_tokens=g.max_new_tokens,
         fraction=config.ingress.verify_fraction, tolerance=config.ingress.verify_tolerance,
+        routing_tolerance=config.ingress.routing_tolerance,
     )  # fmt: skip
     holder.append(IngressServer(config.ingress, spec, verifier))
     if config.model.lora is not None:

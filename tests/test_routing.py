@@ -4,6 +4,7 @@ gate weights from their own routers (`models/routing.py`)."""
 
 from __future__ import annotations
 
+import base64
 import types
 
 import numpy as np
@@ -232,3 +233,66 @@ def test_sdpo_student_rows_replay_the_episodes_routing_and_teacher_rows_route_th
         want = flat[:, layer].sort(-1).values
         assert torch.equal(student[known].sort(-1).values, want[known])
         assert not torch.equal(teacher[known].sort(-1).values, want[known])
+
+
+def test_an_outside_workers_routing_is_scored_under_its_claim_and_held_to_the_router(tmp_path):
+    """A worker's episodes carry their routed experts, which the trainer's forward will take. An honest
+    claim is accepted and trained on as sent. A forger that picks other experts, and sends the logprobs
+    those experts give (so the logprob check alone passes), is rejected for its routing; so are claims
+    that are not a routing of this model (an expert index out of range, a ragged length, not base64)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from meshrl.inference.weights import save_weights_file
+    from meshrl.ingress.client import to_episode
+    from meshrl.ingress.verify import Rejected, Scorer, Verifier
+    from meshrl.models.routing import encode_record, force_routing
+    from meshrl.rollouts.episodes import EpisodeFormat
+    from meshrl.rollouts.scheduler import EpisodeScheduler, GroupRequest, Sampling
+    from meshrl.tasks.base import make_task
+    from tests.test_ingress import MAX_NEW, TASK
+
+    _, path = _model(tmp_path)
+    engine = HFEngine.from_pretrained(path, record_routing=True)
+    weights = tmp_path / "v0.safetensors"
+    save_weights_file(engine.model.state_dict(), weights)
+    episodes = EpisodeFormat(AutoTokenizer.from_pretrained(path), make_task(TASK))
+    (prompt,) = make_task(TASK).sample_prompts(__import__("random").Random(0), 1)
+    scheduler = EpisodeScheduler(engine, episodes, Sampling(1.0, 1.0, MAX_NEW), max_episodes=4, max_tokens=4096)
+    scheduler.submit([GroupRequest("g", prompt, 2, 0, 0)])
+    groups = []
+    while not groups:
+        groups = scheduler.take(1.0)
+    scheduler.close()
+    rollouts = groups[0].rollouts
+    assert all(r.routing is not None and len(r.routing) >= len(r.token_ids) - 2 for r in rollouts)
+    verifier = Verifier(episodes, Scorer(path, "float32", 1.0, lambda v: weights if v == 0 else None),
+                        max_new_tokens=MAX_NEW, fraction=1.0, tolerance=0.05, routing_tolerance=0.1)  # fmt: skip
+    leased = Prompt(prompt.prompt_id, prompt.messages, None, prompt.info)
+
+    rebuilt = verifier.check_group(leased, 2, 0, 0, [to_episode(r) for r in rollouts])
+    for mine, theirs in zip(rebuilt, rollouts):
+        assert np.array_equal(mine.routing, theirs.routing)
+
+    forger = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    force_routing(forger)
+    forged = []
+    for rollout in rollouts:  # each token's two least likely experts, and the logprobs they give
+        routing = (rollout.routing.astype(np.int64) + 2) % 4
+        routed = torch.from_numpy(np.concatenate([routing, routing[-1:]]))[None]
+        with torch.no_grad():
+            scored = sequence_token_logprobs(forger, torch.tensor([rollout.token_ids]), routed_experts=routed)[0]
+        episode = to_episode(rollout)
+        episode.routing = encode_record(routing.astype(np.uint8))
+        episode.logprobs = [float(lp) if m else 0.0 for lp, m in zip(scored, rollout.loss_mask)]
+        forged.append(episode)
+    with pytest.raises(Rejected, match="routing_mismatch"):
+        verifier.check_group(leased, 2, 0, 0, forged)
+
+    honest = to_episode(rollouts[0])
+    out_of_range = rollouts[0].routing.copy()
+    out_of_range[3, 0, 0] = 9
+    ragged = base64.b64encode(rollouts[0].routing.tobytes() + b"\x01").decode()
+    too_long = encode_record(np.concatenate([rollouts[0].routing] * 2))
+    for claim in (encode_record(out_of_range), ragged, too_long, "not base64!"):
+        with pytest.raises(Rejected, match="bad_routing"):
+            verifier.check_group(leased, 2, 0, 0, [honest.model_copy(update={"routing": claim}), honest])

@@ -14,6 +14,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -27,6 +28,7 @@ from meshrl.inference.vllm_engine import (
     VLLMEngine,
     add_output,
     kv_bytes_per_token,
+    moe_layers,
     nothing_to_load,
     to_prompt_inputs,
     to_sampling_kwargs,
@@ -58,6 +60,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    routed_experts: np.ndarray | None = None  # [seq_len, layer_num, topk], on a finished request that asked
 
 
 @dataclass
@@ -79,6 +82,27 @@ def complete(prompt: list[int], output: RequestOutput, version: int = 0) -> Comp
     turn = Completion(prompt, [], [], "length")
     assert add_output(turn, output, version)
     return turn
+
+
+def test_vllms_routed_experts_become_the_turns_routing_checked():
+    """A request that asked for routed experts (a mixture of experts under routing replay) returns them
+    when it finishes, one row per position but the last (vLLM's GPU model runner; its CPU build cannot):
+    they become the turn's routing in uint8. A record of another length, or an index that is no expert,
+    is refused, not trained on."""
+    prompt, tokens = [1, 2, 3, 4], [5, 6, 7]
+    routed = np.arange(6 * 3 * 2).reshape(6, 3, 2).astype(np.int32) % 8
+    output = request_output(prompt, tokens, [-0.5, -0.25, -1.0])
+    output.outputs[0].routed_experts = routed
+    turn = Completion(prompt, [], [], "length")
+    assert add_output(turn, output, 0, experts=(3, 2, 8))
+    assert turn.routing.dtype == np.uint8 and np.array_equal(turn.routing, routed)
+    assert complete(prompt, output).routing is None  # not asked: nothing recorded
+    for bad in (routed[:-1], routed + 8):
+        output.outputs[0].routed_experts = bad
+        with pytest.raises(ValueError, match="vLLM's routed_experts"):
+            add_output(Completion(prompt, [], [], "length"), output, 0, experts=(3, 2, 8))
+    qwen3_moe = {"num_hidden_layers": 6, "decoder_sparse_step": 2, "mlp_only_layers": [3]}
+    assert moe_layers(qwen3_moe) == 2 and moe_layers({"num_hidden_layers": 4}) == 4
 
 
 def test_importing_the_module_does_not_import_vllm():
