@@ -164,9 +164,10 @@ def forced_output(
     mine = recorded[:, layer].to(device=chosen.device, dtype=torch.long)
     known = (mine < router.num_experts).all(-1, keepdim=True)
     experts = torch.where(known, mine, chosen)
-    probs = logits.float().softmax(-1).gather(-1, experts)
-    if getattr(router, "norm_topk_prob", False):
-        probs = probs / probs.sum(-1, keepdim=True)
+    if getattr(router, "norm_topk_prob", False):  # p_e / Σ p over the experts: a softmax over their logits,
+        probs = logits.float().gather(-1, experts).softmax(-1)  # finite when the router gives them ~0
+    else:
+        probs = logits.float().softmax(-1).gather(-1, experts)
     return logits, torch.where(known, probs.to(weights.dtype), weights), experts
 
 

@@ -5,6 +5,7 @@ gate weights from their own routers (`models/routing.py`)."""
 from __future__ import annotations
 
 import base64
+import math
 import types
 
 import numpy as np
@@ -296,3 +297,48 @@ def test_an_outside_workers_routing_is_scored_under_its_claim_and_held_to_the_ro
     for claim in (encode_record(out_of_range), ragged, too_long, "not base64!"):
         with pytest.raises(Rejected, match="bad_routing"):
             verifier.check_group(leased, 2, 0, 0, [honest.model_copy(update={"routing": claim}), honest])
+
+
+@pytest.mark.mesh  # a two-proc Monarch mesh
+def test_fsdp2_ranks_with_lora_and_a_reference_route_every_recorded_token_as_recorded(tmp_path):
+    """Two FSDP2 ranks, LoRA adapters and ref_kl's reference: the routers route a token by its id's
+    parity (even ids to experts 0-1, odd to 2-3), and every recorded token's record says 0-1. Rank 0's
+    even tokens agree with the record, rank 1's odd ones all drift. Under replay every token of both
+    ranks, in every layer, is on experts 0-1 (load 2 and 0, where free routing's is even), and half the
+    recorded tokens drifted. Rank 1's packed row ends in pads, and rank 1 runs a spare pass over rank
+    0's batch at weight 0: neither counts."""
+    from monarch.actor import this_host
+    from monarch.spmd import setup_torch_elastic_env
+    from transformers import AutoModelForCausalLM
+
+    from meshrl.actors.trainer import TrainerActor
+    from tests.test_moe import _parity_batch, _route_by_parity
+
+    args = [*MOE, "--trainer.parallelism", "fsdp2", "--topology.trainer.procs", "2", "--loss.type", "ref_kl",
+            "--model.lora", '{"r": 4, "lora_alpha": 8}']  # fmt: skip
+    model_path = str(ensure_tiny(tmp_path / "model", load_config(args).model.tiny))
+    _route_by_parity(model_path)
+    config = load_config([*args, "--model.path", model_path])
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+
+    def recorded(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        record = torch.zeros((*batch["input_ids"].shape, 2, 2), dtype=torch.uint8)
+        record[..., 1] = 1
+        return {**batch, "routed_experts": record}
+
+    shards = [[recorded(_parity_batch(model, 0, [17], 1)), recorded(_parity_batch(model, 0, [17], 2))],
+              [recorded(_parity_batch(model, 1, [20, 14], 3))]]  # fmt: skip
+    rl_tokens = sum(int(b["loss_mask"].sum()) for shard in shards for b in shard)
+    procs = this_host().spawn_procs(per_host={"procs": 2})
+    try:
+        setup_torch_elastic_env(procs)
+        trainers = procs.spawn("trainer", TrainerActor, config, model_path)
+        trainers.setup.call().get()
+        got = list(trainers.train_step.call(shards, [None, None], rl_tokens).get().values())
+    finally:
+        procs.stop().get()
+    for metrics in got:
+        assert (metrics["moe/expert_load_max"], metrics["moe/expert_load_min"]) == (2.0, 0.0)
+        assert metrics["moe/routing_drift"] == 0.5 and metrics["moe/recorded_tokens"] == 1.0
+        assert metrics["moe/routing_drift/layer_0"] == metrics["moe/routing_drift/layer_1"] == 0.5
+        assert math.isfinite(metrics["loss/rl"])
