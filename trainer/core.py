@@ -248,6 +248,9 @@ class Weighted:
         }
 
 
+SFT_KEYS = ("input_ids", "attention_mask", "position_ids", "loss_mask")  # what a warm-start step trains on
+
+
 class TrainerCore:
     """One rank's model, frozen DPO reference, AdamW, LR schedule and NaN/Inf-guarded step."""
 
@@ -572,6 +575,8 @@ class TrainerCore:
             logprobs = sequence_token_logprobs(model, batch["input_ids"], chunk_size, 1.0, mask, **kwargs)
             return (-(logprobs * mask).sum() / mask.sum().clamp_min(1),)
 
+        # a demonstration's own rows alone: the run's collator also builds SDPO rows at its error sites
+        shards = [{k: v for k, v in shard.items() if k in SFT_KEYS} for shard in shards]
         summed, counted = 0.0, 0
         for unit_pass in self._unit_passes(SFT, shards, rank)[0]:
             with self._autocast():
