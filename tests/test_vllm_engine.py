@@ -363,18 +363,20 @@ def test_an_outside_rollout_worker_on_vllm_is_never_rejected(tmp_path):
     assert h.server.verifier.stats.checked_tokens == sum(sum(r.loss_mask) for g in accepted for r in g.rollouts) > 0
 
 
-def moe_on_vllm(path: str) -> tuple[float, float, bool]:
-    """The worst sampler-trainer gap before and after an update of every weight, and whether the
-    update changed what was sampled. Run in a process of its own: vLLM builds its parallel groups
-    once per process, for the first model it loads, and a dense model's lack the experts' group."""
-    moe = cpu_engine(path)
+def moe_on_vllm(path: str) -> tuple[float, float, bool, bool]:
+    """The worst sampler-trainer gap before and after an update of every weight, whether the update
+    changed what was sampled, and whether any turn came back with a routing record (asked for: the CPU
+    build cannot return one). Run in a process of its own: vLLM builds its parallel groups once per
+    process, for the first model it loads, and a dense model's lack the experts' group."""
+    moe = VLLMEngine(path, dtype="float32", enforce_eager=True, max_model_len=1024, kv_tokens=4096, record_routing=True)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     prompts = [list(range(5, 15)), list(range(20, 26))]
     before = moe.generate(prompts, temperature=1.0, top_p=1.0, max_new_tokens=24, seed=0)
     first = worst_gap(model, before, 1.0)
     moe.load_weights(next_version(model, scale=0.05), version=1)
     after = moe.generate(prompts, temperature=1.0, top_p=1.0, max_new_tokens=24, seed=0)
-    return first, worst_gap(model, after, 1.0), after != before
+    recorded = any(turn.routing is not None for turn in before + after)
+    return first, worst_gap(model, after, 1.0), after != before, recorded
 
 
 @pytest.mark.slow
@@ -389,8 +391,33 @@ def test_a_mixture_of_experts_samples_the_trainers_logprobs_before_and_after_an_
     config = load_config([*MOE, "--model.tiny.hidden_size", "128", "--model.tiny.num_heads", "2"])
     path = ensure_tiny(tmp_path / "moe", config.model.tiny)
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        before, after, changed = pool.apply(moe_on_vllm, (str(path),))
+        before, after, changed, recorded = pool.apply(moe_on_vllm, (str(path),))
     assert before < 1e-4 and after < 1e-4 and changed, (before, after, changed)
+    assert not recorded  # routing replay asked: vLLM's CPU build returns no routed experts
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's GPU model runner records routed experts; needs CUDA")
+def test_vllm_and_the_hf_engine_record_the_same_experts_for_the_same_tokens_and_weights(tmp_path):
+    """On a GPU with vLLM's GPU build (not exercised on the CPU machines this suite runs on): a turn's
+    `routed_experts` are the HF engine's record of the same tokens under the same weights, in float32."""
+    from meshrl.inference.hf_engine import HFEngine
+    from meshrl.models.routing import RoutingRecorder, moe_routers
+    from tests.test_moe import MOE
+
+    config = load_config([*MOE, "--model.tiny.hidden_size", "128", "--model.tiny.num_heads", "2"])
+    path = str(ensure_tiny(tmp_path / "moe", config.model.tiny))
+    engine = VLLMEngine(path, dtype="float32", max_model_len=1024, kv_tokens=4096, record_routing=True)
+    prompts = [list(range(5, 15)), list(range(20, 26))]
+    turns = engine.generate(prompts, temperature=1.0, top_p=1.0, max_new_tokens=24, seed=0)
+    hf = HFEngine.from_pretrained(path, device="cuda")
+    recorder = RoutingRecorder(moe_routers(hf.model))
+    for prompt, turn in zip(prompts, turns):
+        ids = prompt + turn.completion_ids
+        with torch.no_grad():
+            hf.model(torch.tensor([ids], device="cuda"))
+        own = recorder.take(1, len(ids))[0][:-1]
+        assert turn.routing is not None and turn.routing.shape == own.shape
+        assert (np.sort(own, -1) != np.sort(turn.routing, -1)).any(-1).mean() < 0.01
 
 
 @pytest.mark.slow
