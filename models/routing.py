@@ -171,10 +171,11 @@ def forced_output(
     return logits, torch.where(known, probs.to(weights.dtype), weights), experts
 
 
-def force_routing(model: nn.Module) -> int:
-    """Hooks on `model`'s routers that take the recorded routing inside a forced `routed` context; the
-    number of routers hooked. Put on the trainer's policy and its reference alike, before any hook that
-    reads the routing (the router statistics count what the forward used)."""
+def force_routing(model: nn.Module) -> None:
+    """Hooks on `model`'s routers that take the recorded routing inside a `routed` context. Put on the
+    trainer's policy and its reference alike, before any hook that reads the routing (the router
+    statistics count what the forward used). The hook runs eagerly under `torch.compile` (a graph break
+    per router)."""
     routers = moe_routers(model)
     for layer, router in enumerate(routers):
 
@@ -183,4 +184,3 @@ def force_routing(model: nn.Module) -> int:
             return None if recorded is None else forced_output(module, layer, output, recorded)
 
         router.register_forward_hook(torch.compiler.disable(force))
-    return len(routers)

@@ -334,7 +334,10 @@ class TrainerCore:
         replay, moe = self.config.trainer.routing_replay, bool(moe_routers(model))
         if replay and not moe:
             raise ValueError("trainer.routing_replay = true, but the model has no experts (no MoE routers)")
-        return bool(moe and replay is not False and force_routing(model))
+        if not moe or replay is False:
+            return False
+        force_routing(model)
+        return True
 
     # ------------------------------------------------------------------ steps
 
