@@ -96,9 +96,14 @@ PRESETS = {"letters": "smollm2.toml", "code": "smollm2_code.toml", "code-tools":
 LETTERS = {"steps": 12, "prompts": 4, "samples": 8, "max_new_tokens": 16, "lr": 1e-4, "threshold": 0.5}
 
 
+def presets(args: argparse.Namespace) -> list[Path]:
+    """The config files meshrl runs `--task` with: the embedded default, then the task's preset."""
+    return [REPO / "configs" / "local.toml", REPO / "configs" / PRESETS[args.task]]
+
+
 def preset_sources(args: argparse.Namespace) -> list[str]:
-    """The config sources meshrl runs `--task` with: the embedded default, then the task's preset."""
-    return ["@", str(REPO / "configs" / "local.toml"), "@", str(REPO / "configs" / PRESETS[args.task])]
+    """`presets(args)` as `meshrl train` arguments."""
+    return [arg for path in presets(args) for arg in ("@", str(path))]
 
 
 def task_config(args: argparse.Namespace) -> TaskConfig:
@@ -183,8 +188,7 @@ def start_model(args: argparse.Namespace, root: Path, converted: Path) -> Path:
     export both load, since SmolLM2 as shipped calls the tool in 1 episode of 100."""
     if args.task != "code-tools":
         return converted
-    presets = [REPO / "configs" / "local.toml", REPO / "configs" / PRESETS[args.task]]
-    return preset_runs.warm(presets, root, args.seed, [])
+    return preset_runs.warm(presets(args), root, args.seed, [])
 
 
 class RunPython(dict):
@@ -239,7 +243,6 @@ def run_meshrl(args: argparse.Namespace, out: Path, refill: int, backend: str = 
     records = RunDir(out).read_metrics()
     name = f"meshrl, refill {refill}" if refill else "meshrl" if backend == "hf" else f"meshrl, {backend}"
     name += f", LoRA r {args.lora}" if lora else ""
-    records = [r for r in records if r.get("phase") != "warm_start"]
     calls = [r.get("episode/tool_calls", 0.0) for r in records] if args.task == "code-tools" else None
     return Curve(name, [r["reward/mean"] for r in records], [r["rollouts"] for r in records],
                  [r["time/step"] for r in records], out if evaluates(args) else None, tool_calls=calls)  # fmt: skip
