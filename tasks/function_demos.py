@@ -50,6 +50,22 @@ def example_check(problem: dict[str, Any]) -> str:
     return f"\nresult = {problem['example']}\nassert result == {problem['expected']}, result\nprint({PASSED!r})\n"
 
 
+def reference_run(problem: dict[str, Any]) -> str:
+    """The code a demonstration runs last: the reference function, then the example's check."""
+    return function(problem, problem["canonical_solution"]) + example_check(problem)
+
+
+def answer(problem: dict[str, Any]) -> str:
+    """The final answer of a demonstration: the reference function in a ```python block."""
+    return f"```python\n{function(problem, problem['canonical_solution'])}```"
+
+
+def passed(tool_content: str) -> bool:
+    """Whether a `run_python` result reports a run that exited 0 within the sandbox's limits (the
+    sandbox's report opens with its status, which the program cannot write before)."""
+    return tool_content.startswith("[exit status 0]")
+
+
 def parameters(problem: dict[str, Any]) -> list[str]:
     """The function's parameter names, read from its `def` line."""
     tree = ast.parse(definition(problem) + "\n    pass")
@@ -97,9 +113,28 @@ def episode_turns(
             if result.is_error:
                 turns += run_turns("call_0", code, result)
                 break
-    code = function(problem, problem["canonical_solution"]) + example_check(problem)
+    code = reference_run(problem)
     result = run(code)
     if result.is_error:
         return None
-    answer = Turn(role="assistant", content=f"```python\n{function(problem, problem['canonical_solution'])}```")
-    return [*turns, *run_turns(f"call_{len(turns) // 2}", code, result), answer]
+    return [
+        *turns,
+        *run_turns(f"call_{len(turns) // 2}", code, result),
+        Turn(role="assistant", content=answer(problem)),
+    ]
+
+
+def next_action(problem: dict[str, Any], messages: list[dict[str, Any]], max_turns: int) -> dict[str, Any]:
+    """The demonstrations' next turn from any state of an episode (chat messages): run the reference
+    on the example until a run of the episode has passed, then answer with it; the last turn answers
+    whatever came before, since a call there would end the episode unanswered."""
+    taken = sum(message.get("role") == "assistant" for message in messages)
+    ran = any(message.get("role") == "tool" and passed(message.get("content") or "") for message in messages)
+    if ran or taken >= max_turns - 1:
+        return {"role": "assistant", "content": answer(problem)}
+    call = {
+        "id": f"call_{taken}",
+        "type": "function",
+        "function": {"name": RUN_PYTHON, "arguments": {"code": reference_run(problem)}},
+    }
+    return {"role": "assistant", "content": "", "tool_calls": [call]}

@@ -355,9 +355,13 @@ class FunctionTask:
         return self.score(prompt, messages, Ending("agent_completed", "stop")).reward
 
     def oracle_action(self, prompt: Prompt, messages: list[dict[str, Any]]) -> dict[str, Any]:
-        """The canonical solution as the final answer, at any state: what an oracle teacher says
-        (the replay channel's chosen action against a failed answer)."""
+        """What an oracle teacher says at a state (the replay channel's chosen action). With
+        `run_python` and a problem that shows an example (the exercises), the demonstrations' loop
+        (`function_demos.next_action`): run the reference on the example until a run has passed,
+        then answer with it. Otherwise the reference as the final answer, at any state."""
         problem = self.problems[prompt.answer]
+        if self.tools and "example" in problem:
+            return function_demos.next_action(problem, messages, self.max_turns)
         return {"role": "assistant", "content": f"```python\n{problem['prompt']}{problem['canonical_solution']}```"}
 
     def hint(self, error_kind: str, error_meta: dict[str, Any]) -> str | None:

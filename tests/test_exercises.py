@@ -17,6 +17,7 @@ from meshrl.tasks.base import Ending
 from meshrl.tasks.exercises import FAMILIES, ExercisesTask, exercises
 from meshrl.tasks.humaneval import record, replay
 from meshrl.teachers.oracle import OracleTeacher
+from meshrl.traces.pairs import mine_pairs, trace_states
 
 
 @pytest.fixture(scope="module")
@@ -26,10 +27,33 @@ def task() -> ExercisesTask:
     task.sandbox.close()
 
 
+@pytest.fixture(scope="module")
+def tool_task() -> ExercisesTask:
+    """The same exercises with `run_python`, over up to 4 turns."""
+    task = ExercisesTask(tiers=[1, 2, 3], count=300, split="all", run_python=True, max_turns=4,
+                         sandbox={"pool_size": 4, "wall_time_s": 60})  # fmt: skip
+    yield task
+    task.sandbox.close()
+
+
 def answered(task: ExercisesTask, task_id: str, answer: str) -> float:
     prompt = task.prompt(task_id)
     messages = [*prompt.messages, {"role": "assistant", "content": answer}]
     return task.score(prompt, messages, Ending("agent_completed", "stop")).reward
+
+
+def oracle_episode(task: ExercisesTask, prompt) -> list[dict]:
+    """The oracle's own episode from the prompt: its actions, its calls run through the task's tool,
+    until it answers."""
+    messages = list(prompt.messages)
+    while True:
+        action = task.oracle_action(prompt, messages)
+        messages.append(action)
+        if not action.get("tool_calls"):
+            return messages
+        for call in action["tool_calls"]:
+            result = task.call_tool(prompt, call["function"]["name"], call["function"]["arguments"])
+            messages.append({"role": "tool", "content": result.content, "tool_call_id": call["id"]})
 
 
 def one_per_family(task: ExercisesTask) -> dict[str, str]:
@@ -107,7 +131,7 @@ CHEATS = {
 
 
 @pytest.mark.slow
-def test_every_family_s_oracle_answer_passes_and_every_cheat_scores_0(task):
+def test_every_family_s_oracle_answer_passes_and_every_cheat_scores_0(task, tool_task):
     families = one_per_family(task)
     assert len(families) == sum(len(f) for f in FAMILIES.values())  # every family is among 300 exercises
 
@@ -116,7 +140,9 @@ def test_every_family_s_oracle_answer_passes_and_every_cheat_scores_0(task):
         args, result = example(problem)
         doc = problem["prompt"].split('"""')[1]
         prompt = task.prompt(task_id)
-        right = task.reward(prompt, [*prompt.messages, task.oracle_action(prompt, prompt.messages)])
+        episode = oracle_episode(tool_task, prompt)  # with run_python: it runs the reference, then answers
+        assert [m["role"] for m in episode[len(prompt.messages) :]] == ["assistant", "tool", "assistant"]
+        right = min(task.reward(prompt, oracle_episode(task, prompt)), tool_task.reward(prompt, episode))
         cheats = {name: answered(task, task_id, cheat.format(entry=problem["entry_point"], args=args, result=result,
                                                              doc=doc.replace("'", "")))
                   for name, cheat in CHEATS.items()}  # fmt: skip
@@ -130,17 +156,41 @@ def test_every_family_s_oracle_answer_passes_and_every_cheat_scores_0(task):
     assert passed == set()
 
 
-def test_the_oracle_teacher_answers_the_reference_and_the_demonstrations_are_the_sampled_prompts_solved(task):
-    """The replay channel's oracle teachers and the warm start read the task's reference solutions:
-    the oracle's answer scores 1, and each demonstration is the prompt the same
-    rng draws, answered with a passing function."""
-    prompt = task.sample_prompts(random.Random(0), 1)[0]
-    action = OracleTeacher(task).act(prompt.messages, {"prompt": prompt})
-    assert action["role"] == "assistant" and task.reward(prompt, [*prompt.messages, action]) == 1.0
-    demos = task.demonstrations(random.Random(1), 3)
-    drawn = task.sample_prompts(random.Random(1), 3)
+def test_the_oracle_teacher_runs_the_reference_then_answers_and_the_demonstrations_are_the_sampled_prompts_solved(
+    tool_task,
+):
+    """The replay channel's oracle teachers and the warm start read the task's reference solutions.
+    The oracle follows the demonstrations' loop from any state: it runs the reference on the example
+    until a run of the episode has passed (after a failed run too), then answers with a function
+    that scores 1, and at the last turn it answers whatever came before. So it agrees with every
+    turn of a demonstration but a bugged run: the only replay pair a demonstration gives. Each
+    demonstration is the prompt the same rng draws, answered with a passing function."""
+    prompt = tool_task.sample_prompts(random.Random(0), 1)[0]
+    oracle = OracleTeacher(tool_task)
+    first = oracle.act(prompt.messages, {"prompt": prompt})
+    (call,) = first["tool_calls"]
+    failed = tool_task.call_tool(prompt, "run_python", {"code": "raise SystemExit(3)"})
+    ran = tool_task.call_tool(prompt, call["function"]["name"], call["function"]["arguments"])
+    assert failed.is_error and not ran.is_error
+    state = [*prompt.messages, first, {"role": "tool", "content": failed.content, "tool_call_id": call["id"]}]
+    assert oracle.act(state, {"prompt": prompt})["tool_calls"][0]["function"] == call["function"]
+    state[-1] = {"role": "tool", "content": ran.content, "tool_call_id": call["id"]}
+    answer = oracle.act(state, {"prompt": prompt})
+    assert "tool_calls" not in answer and tool_task.reward(prompt, [*state, answer]) == 1.0
+    at_the_cap = [
+        *prompt.messages,
+        *[first, {"role": "tool", "content": failed.content, "tool_call_id": call["id"]}] * 3,
+    ]
+    assert oracle.act(at_the_cap, {"prompt": prompt}) == answer  # max_turns = 4: the 4th turn answers
+    demos = tool_task.demonstrations(random.Random(1), 6)
+    drawn = tool_task.sample_prompts(random.Random(1), 6)
     assert [d.trace_id for d in demos] == [p.prompt_id for p in drawn]
     for demo, prompt in zip(demos, drawn):
-        assert [t.content for t in demo.turns[:-1]] == [m["content"] for m in prompt.messages]
+        assert [t.content for t in demo.turns[: len(prompt.messages)]] == [m["content"] for m in prompt.messages]
         answer = {"role": "assistant", "content": demo.turns[-1].content}
-        assert demo.final_reward == 1.0 and task.reward(prompt, [*prompt.messages, answer]) == 1.0
+        assert demo.final_reward == 1.0 and tool_task.reward(prompt, [*prompt.messages, answer]) == 1.0
+        pairs = [mine_pairs(state, {"oracle": oracle.act(state.state_messages, {"prompt": prompt})}, 1)
+                 for state in trace_states(demo)]  # fmt: skip
+        bugged = [t for t in demo.turns if t.role == "tool" and t.is_error]
+        assert [pair.turn_index for pair in pairs if pair] == [len(prompt.messages)] * len(bugged)
+    assert {len([t for t in d.turns if t.role == "tool" and t.is_error]) for d in demos} == {0, 1}
