@@ -760,6 +760,11 @@ class MetricsConfig(Section):
     progress: Literal["auto", "rich", "plain"] = Field(
         "auto", description="Rich display on a terminal, else plain lines."
     )
+    channel_grad_norms: bool = Field(
+        False,
+        description="Log grad_norm/rl, grad_norm/replay and grad_norm/sdpo each step: how far each loss channel moved "
+        "the policy, beside what it trained on (the trainer holds one more copy of the gradients while a channel runs).",
+    )
 
 
 class EvalConfig(Section):

@@ -94,6 +94,9 @@ METRICS: dict[str, dict[str, str]] = {
     },
     "Optimizer": {
         "grad_norm": "Gradient L2 norm before clipping (null in metrics.jsonl on a step skipped for a NaN/Inf gradient).",
+        "grad_norm/<channel>": "With metrics.channel_grad_norms: the L2 norm of one loss channel's weighted part of the "
+        "gradient (rl, replay, sdpo; before clipping, over the ranks' mean), on steps where the channel had rows: "
+        "against grad_norm, how much of the update the channel made.",
         "skipped_steps": "Optimizer steps skipped so far for a NaN/Inf gradient (cumulative).",
         "lr": "Learning rate this step used (a warm-start step's own).",
         "moe/expert_load_max": "Mixture-of-experts policies: the most loaded expert of any layer, its assignments "

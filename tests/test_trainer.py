@@ -83,6 +83,8 @@ def test_two_rank_step_matches_one_rank_and_checkpoints_round_trip(tmp_path, par
         "0.002",
         "--trainer.warmup_steps",
         "4",
+        "--metrics.channel_grad_norms",
+        "true",
     ]  # fmt: skip - DDP all-reduces in many 2 KB buckets
     config = load_config(args)
     model_path = str(ensure_tiny(tmp_path / "tiny", config.model.tiny, seed=0))
@@ -130,6 +132,9 @@ def test_two_rank_step_matches_one_rank_and_checkpoints_round_trip(tmp_path, par
         if name not in ("grad_norm", "lr", "skipped_steps", "loss/total"):  # NaN: over no token (none masked)
             assert [g[name] for g in got] == pytest.approx([value] * 2, rel=1e-4, abs=1e-7, nan_ok=True), name
     assert got[0]["sdpo/tokens"] == 10  # recovery tokens of both ranks, summed
+    # each channel's part of the gradient over the ranks' mean, as one rank's (DDP averages them
+    # itself; FSDP2's shards are reduced already): the loop above compared them
+    assert {"grad_norm/rl", "grad_norm/replay", "grad_norm/sdpo"} <= expected.keys()
     after = single.weights()
     for name, value in weights[0].items():
         moved = (after[name] - before[name]).norm()

@@ -15,7 +15,7 @@ from meshrl.models.tiny import ensure_tiny
 from meshrl.trainer import checkpoint
 from meshrl.trainer import core as core_module
 from meshrl.trainer.core import TrainerCore, Weighted, grad_buckets
-from tests.test_trainer import dpo_batch, rl_batch
+from tests.test_trainer import dpo_batch, rl_batch, sdpo_batch
 
 QWEN_TIED = [
     "--model.tiny.family", "qwen3", "--model.tiny.tie_embeddings", "true", "--model.tiny.hidden_size", "32",
@@ -77,6 +77,35 @@ def test_rl_starts_with_fresh_adamw_moments_unless_kept(tmp_path):
     kept.start_rl()
     assert {id(p) for p in kept.optimizer.state} == moments.keys()
     assert all(torch.equal(s["exp_avg"], moments[id(p)]) for p, s in kept.optimizer.state.items())
+
+
+def test_each_channel_s_gradient_norm_is_its_gradient_alone_and_measuring_leaves_the_step_as_it_was(tmp_path):
+    """`metrics.channel_grad_norms`: each channel's norm is the step's gradient norm when that channel
+    trains alone (same batches, same reference), a channel without rows logs none, and the step with
+    the norms measured moves the weights as the step without."""
+    args = [*QWEN_TIED, "--loss.replay.weight", "0.5", "--loss.sdpo.weight", "0.3"]
+    model_path = str(ensure_tiny(tmp_path / "model", load_config(args).model.tiny))
+
+    def step(shards: list, aux: dict | None, measured: bool = False) -> tuple[dict, dict]:
+        core = TrainerCore(load_config([*args, "--metrics.channel_grad_norms", str(measured).lower()]), model_path)
+        vocab = core.model.config.vocab_size
+        rl = [rl_batch(core.model, 1), rl_batch(core.model, 2)] if "rl" in shards else []
+        parts = {"dpo": dpo_batch(3, vocab), "sdpo": sdpo_batch(4, vocab, [3, 2])}
+        batch = {k: v for name in aux or () for k, v in parts[name].items()} or None
+        metrics = core.train_step([rl], [batch], rl_tokens=sum(int(b["loss_mask"].sum()) for b in rl))
+        return metrics, core.weights()
+
+    measured, weights = step(["rl"], ("dpo", "sdpo"), measured=True)
+    plain, plain_weights = step(["rl"], ("dpo", "sdpo"))
+    assert measured["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-6) and "grad_norm/rl" not in plain
+    for name, value in plain_weights.items():
+        torch.testing.assert_close(weights[name], value, rtol=0, atol=1e-7)
+    alone = {"rl": step(["rl"], None)[0], "replay": step([], ("dpo",))[0], "sdpo": step([], ("sdpo",))[0]}
+    for channel, metrics in alone.items():
+        assert measured[f"grad_norm/{channel}"] == pytest.approx(metrics["grad_norm"], rel=1e-5), channel
+    assert len({round(measured[f"grad_norm/{c}"], 6) for c in alone}) == 3  # three different parts
+    without_sdpo, _ = step(["rl"], ("dpo",), measured=True)
+    assert "grad_norm/sdpo" not in without_sdpo and without_sdpo["grad_norm/replay"] == measured["grad_norm/replay"]
 
 
 def test_bfloat16_computes_over_float32_master_weights(tmp_path):

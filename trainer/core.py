@@ -57,6 +57,7 @@ from meshrl.models.routing import force_routing, moe_routers
 from meshrl.trainer.activations import enable_checkpointing
 from meshrl.trainer.attention import attention_kernel, use_document_attention
 from meshrl.trainer.aux_batches import SFT, aux_micro_batches
+from meshrl.trainer.channel_grads import ChannelGrads
 from meshrl.trainer.checkpoint import CheckpointWriter, TrainerState, own_copy, write_checkpoint
 from meshrl.trainer.router import RouterStats, real_tokens
 
@@ -317,6 +318,9 @@ class TrainerCore:
             self.ref_call = FrozenAdapters.of(self.call)
         # After sharding: FSDP2 replaces the parameters with sharded ones, which the optimizer must hold.
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.channel_grads = (
+            ChannelGrads(self.trainable, self.world, self.fsdp) if config.metrics.channel_grad_norms else None
+        )
         self.router = RouterStats.attach(self.model)  # a mixture of experts: its expert load per step
         if config.trainer.router_aux_loss_coef and self.router is None:
             raise ValueError("trainer.router_aux_loss_coef is set, but the model has no experts (no MoE routers)")
@@ -482,30 +486,32 @@ class TrainerCore:
         """
         if self.config.trainer.diloco.replica_id is not None and self.islands is None:
             self._join_islands()
-        weighted, rank_loss, sdpo_tokens = Weighted(), 0.0, 0.0
-        for batch, weight in self._passes(rl_shards, rank):
-            loss, out, counts = self._loss(batch, max(1, rl_tokens) / self.world, counted=bool(weight))
-            (loss * weight).backward()
-            if weight:
-                rank_loss += float(out.pop("loss/rl"))  # the rank's loss: its micro-batches' parts summed
-                tokens = float(batch["loss_mask"].sum())  # the RL metrics are token means: weigh by their tokens
-                for name, value in out.items():
-                    if name != "loss/total":
-                        weighted.add(name, float(value), float(counts.get(name, tokens)))
+        weighted, rank_loss, sdpo_tokens, channel_norms = Weighted(), 0.0, 0.0, {}
+        with self._channel("rl", any(rl_shards), channel_norms):
+            for batch, weight in self._passes(rl_shards, rank):
+                loss, out, counts = self._loss(batch, max(1, rl_tokens) / self.world, counted=bool(weight))
+                (loss * weight).backward()
+                if weight:
+                    rank_loss += float(out.pop("loss/rl"))  # the rank's loss: its micro-batches' parts summed
+                    tokens = float(batch["loss_mask"].sum())  # the RL metrics are token means: weigh by their tokens
+                    for name, value in out.items():
+                        if name != "loss/total":
+                            weighted.add(name, float(value), float(counts.get(name, tokens)))
         if any(rl_shards):
             weighted.add("loss/rl", rank_loss, 1.0)  # the step's loss: the ranks' mean (DDP averages their gradients)
         for channel in self._aux_channels():
             parts = [{k: v for k, v in (a or {}).items() if k.startswith(channel)} for a in aux_shards]
             passes, total = self._unit_passes(channel, parts, rank)
-            for unit_pass in passes:
-                loss, out, _ = self._loss(unit_pass.batch)
-                (loss * unit_pass.scale).backward()
-                for name, value in out.items() if unit_pass.count else ():
-                    if name not in ("loss/total", "sdpo/tokens"):
-                        weighted.add(name, float(value), unit_pass.count)
+            with self._channel(channel, total > 0, channel_norms):
+                for unit_pass in passes:
+                    loss, out, _ = self._loss(unit_pass.batch)
+                    (loss * unit_pass.scale).backward()
+                    for name, value in out.items() if unit_pass.count else ():
+                        if name not in ("loss/total", "sdpo/tokens"):
+                            weighted.add(name, float(value), unit_pass.count)
             if channel == "sdpo_" and total:
                 sdpo_tokens = float(total)  # every rank knows every rank's count
-        metrics = weighted.reduced(self.world)
+        metrics = weighted.reduced(self.world) | channel_norms
         if self.router is not None:
             metrics.update(self.router.take(self.device))  # from the counts of every rank
         if sdpo_tokens:
@@ -515,6 +521,10 @@ class TrainerCore:
         if self.islands is not None:
             metrics.update(self.islands.metrics())
         return metrics
+
+    def _channel(self, prefix: str, ran: bool, into: dict[str, float]) -> AbstractContextManager:
+        """With `metrics.channel_grad_norms`: the channel's part of the gradient, measured into `into`."""
+        return self.channel_grads.channel(prefix, ran, into) if self.channel_grads else nullcontext()
 
     def _total(self, metrics: dict[str, float]) -> float:
         """The step's loss, each channel that had rows with its weight; NaN when none had any (no
