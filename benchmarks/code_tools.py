@@ -12,8 +12,8 @@ preset's step budget, its newest checkpoint scored by `meshrl eval --checkpoint`
 `rl` (the preset: the RL channel alone), `sdpo` (+SDPO at the error sites of `run_python` runs,
 the hint being the reference function), `replay` (+replay DPO, the task's oracle as the teacher),
 `all` (both). Beside pass@1 each row keeps what the channel trained on: SDPO recovery tokens and
-replay pairs per step, replay's accuracy and margin, each channel's loss, tool calls and errors per
-episode. Rows go to OUT/results.json as each finishes (`--reuse` keeps finished ones).
+replay pairs per step, replay's accuracy and margin, each channel's loss and its part of the
+gradient (`metrics.channel_grad_norms`), tool calls and errors per episode. Rows go to OUT/results.json as each finishes (`--reuse` keeps finished ones).
 """
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ PRESETS = [REPO / "configs" / "local.toml", REPO / "configs" / "smollm2_code_too
 REPLAY = ["--loss.replay.weight", "0.1", "--teachers.members", '[{"backend": "oracle"}]', "--teachers.min-agree", "1"]
 SDPO = ["--loss.sdpo.weight", "0.05"]
 ARMS = {"rl": [], "sdpo": SDPO, "replay": REPLAY, "all": [*REPLAY, *SDPO]}
+MEASURED = ["--metrics.channel_grad_norms", "true"]  # every arm: how far each channel moved the policy
 KEPT = ("sdpo/tokens", "replay_pairs", "replay/accuracy", "replay/margin", "loss/sdpo", "loss/replay",
-        "episode/tool_calls", "tool_errors", "reward/mean")  # fmt: skip
+        "episode/tool_calls", "tool_errors", "reward/mean", "grad_norm", "grad_norm/rl", "grad_norm/replay",
+        "grad_norm/sdpo")  # fmt: skip
 
 
 def evaluate(run: Path, out: Path) -> dict[str, float]:
@@ -54,7 +56,7 @@ def trained_on(run: Path) -> dict[str, float]:
     """Per-step means over the RL steps of what each channel trained on (steps without a key count 0)."""
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in records if r.get("phase") != "warm_start" and "reward/mean" in r]
-    means = {key: statistics.fmean(r.get(key, 0.0) for r in rl) for key in KEPT}
+    means = {key: statistics.fmean(r.get(key) or 0.0 for r in rl) for key in KEPT}  # null: a skipped step
     tenth = max(1, len(rl) // 10)
     means["reward first tenth"] = statistics.fmean(r["reward/mean"] for r in rl[:tenth])
     means["reward last tenth"] = statistics.fmean(r["reward/mean"] for r in rl[-tenth:])
@@ -108,7 +110,7 @@ def main() -> None:
             if (arm, seed) in done:
                 continue
             run = args.out / f"{arm}_seed{seed}"
-            seconds = preset_runs.train(PRESETS, run, seed, [*start_from, *ARMS[arm], *args.extra])
+            seconds = preset_runs.train(PRESETS, run, seed, [*start_from, *MEASURED, *ARMS[arm], *args.extra])
             evaluated = evaluate(run, args.out / f"{arm}_{seed}.json")
             keep({"arm": arm, "seed": seed, "eval": evaluated, "trained_on": trained_on(run), "seconds": seconds})
     print(table(rows))
