@@ -13,7 +13,8 @@ preset's step budget, its newest checkpoint scored by `meshrl eval --checkpoint`
 the hint being the reference function), `replay` (+replay DPO, the task's oracle as the teacher),
 `all` (both). Beside pass@1 each row keeps what the channel trained on: SDPO recovery tokens and
 replay pairs per step, replay's accuracy and margin, each channel's loss and its part of the
-gradient (`metrics.channel_grad_norms`), tool calls and errors per episode. Rows go to OUT/results.json as each finishes (`--reuse` keeps finished ones).
+gradient (`metrics.channel_grad_norms`), tool calls and errors per episode. Rows go to
+OUT/results.json as each finishes (`--reuse` keeps finished ones).
 """
 
 from __future__ import annotations

@@ -763,7 +763,8 @@ class MetricsConfig(Section):
     channel_grad_norms: bool = Field(
         False,
         description="Log grad_norm/rl, grad_norm/replay and grad_norm/sdpo each step: how far each loss channel moved "
-        "the policy, beside what it trained on (the trainer holds one more copy of the gradients while a channel runs).",
+        "the policy, beside what it trained on (the trainer holds one more copy of the gradients while a channel runs, and "
+        "under DDP a flat copy of the channel's gradient while the ranks average it).",
     )
 
 

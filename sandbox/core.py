@@ -89,6 +89,12 @@ class Run:
             status += f"; sandbox limit reached: {self.limit}"
         return f"[{status}]\n--- stdout\n{self.stdout}\n--- stderr\n{self.stderr}"
 
+    @staticmethod
+    def reported_ok(report: str) -> bool:
+        """Whether a `report()` text is of an `ok` run: it opens with its status, which the program's
+        own output cannot come before."""
+        return report.startswith("[exit status 0]\n")
+
 
 class Sandbox:
     """The pool every backend shares: at most `pool_size` calls at once, each killed by `close()`."""

@@ -16,6 +16,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from meshrl.sandbox.core import Run
 from meshrl.tasks.base import ToolResult
 from meshrl.traces.schema import ToolCall, Turn
 
@@ -58,12 +59,6 @@ def reference_run(problem: dict[str, Any]) -> str:
 def answer(problem: dict[str, Any]) -> str:
     """The final answer of a demonstration: the reference function in a ```python block."""
     return f"```python\n{function(problem, problem['canonical_solution'])}```"
-
-
-def passed(tool_content: str) -> bool:
-    """Whether a `run_python` result reports a run that exited 0 within the sandbox's limits (the
-    sandbox's report opens with its status, which the program cannot write before)."""
-    return tool_content.startswith("[exit status 0]")
 
 
 def parameters(problem: dict[str, Any]) -> list[str]:
@@ -129,7 +124,7 @@ def next_action(problem: dict[str, Any], messages: list[dict[str, Any]], max_tur
     on the example until a run of the episode has passed, then answer with it; the last turn answers
     whatever came before, since a call there would end the episode unanswered."""
     taken = sum(message.get("role") == "assistant" for message in messages)
-    ran = any(message.get("role") == "tool" and passed(message.get("content") or "") for message in messages)
+    ran = any(message.get("role") == "tool" and Run.reported_ok(message.get("content") or "") for message in messages)
     if ran or taken >= max_turns - 1:
         return {"role": "assistant", "content": answer(problem)}
     call = {

@@ -45,20 +45,15 @@ class ChannelGrads:
                 p.grad = grad if p.grad is None else p.grad.add_(grad)
 
     def _norm(self) -> float:
-        """The L2 norm of the gradients the parameters now hold, over the ranks' mean: FSDP2's are
-        already reduced shards (their squares summed over the ranks); DDP's are each rank's own until
-        the step's all-reduce, so they are averaged here first."""
+        """The L2 norm of the gradients the parameters now hold, over the ranks' mean, computed as
+        the step's `grad_norm` is (FSDP2's shards are reduced already). DDP's are each rank's own until
+        the step's all-reduce, so a flat copy of them is averaged here first."""
         grads = [p.grad for p in self.params if p.grad is not None]
-        if self.sharded:
-            squares = sum((g.to_local() if isinstance(g, DTensor) else g).float().pow(2).sum() for g in grads)
-            total = torch.as_tensor(squares, dtype=torch.float32, device=self.params[0].device)
-            if self.world > 1:
-                dist.all_reduce(total)
-            return float(total.sqrt())
-        if self.world > 1:  # every rank sends every parameter's gradient (zeros where it had none)
+        if self.world > 1 and not self.sharded:  # every rank sends every gradient (zeros where it had none)
             flat = torch.cat(
                 [(p.grad if p.grad is not None else torch.zeros_like(p)).float().flatten() for p in self.params]
             )
             dist.all_reduce(flat)
-            return float(flat.div_(self.world).norm())
-        return float(torch.linalg.vector_norm(torch.stack([g.float().norm() for g in grads]))) if grads else 0.0
+            grads = [flat.div_(self.world)]
+        norm = torch.nn.utils.get_total_norm(grads)
+        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
