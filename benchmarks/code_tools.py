@@ -1,7 +1,7 @@
 """SmolLM2's held-out pass@1 on the multi-turn code preset: as shipped, after the warm start, and
 after RL with each loss channel, over seeds.
 
-    python benchmarks/code_tools.py [--seeds 0 1 2] [--arms rl sdpo replay all] [--out runs/code_tools_bench] [-- ARGS]
+    python benchmarks/code_tools.py [--seeds 0 1 2] [--arms rl sdpo replay all replay_own] [--out runs/code_tools_bench] [-- ARGS]
     python benchmarks/code_tools.py --merge runs/ct_s0/results.json runs/ct_s1/results.json   # seeds run apart
 
 `configs/local.toml` under `configs/smollm2_code_tools.toml` (the code exercises with `run_python`).
@@ -11,7 +11,8 @@ preset's step budget, its newest checkpoint scored by `meshrl eval --checkpoint`
 `eval.n` held-out exercises, greedy and `eval.k` samples each, in a process of its own). Arms:
 `rl` (the preset: the RL channel alone), `sdpo` (+SDPO at the error sites of `run_python` runs,
 the hint being the reference function), `replay` (+replay DPO, the task's oracle as the teacher),
-`all` (both). Beside pass@1 each row keeps what the channel trained on: SDPO recovery tokens and
+`all` (both), `replay_own` (+replay DPO, the seed's warm start and the oracle as teachers, agreeing by
+outcome: `arm_args`). Beside pass@1 each row keeps what the channel trained on: SDPO recovery tokens and
 replay pairs per step, replay's accuracy and margin, each channel's loss and its part of the
 gradient (`metrics.channel_grad_norms`), tool calls and errors per episode. Rows go to
 OUT/results.json as each finishes (`--reuse` keeps finished ones).
@@ -33,7 +34,21 @@ REPO = preset_runs.REPO
 PRESETS = [REPO / "configs" / "local.toml", REPO / "configs" / "smollm2_code_tools.toml"]
 REPLAY = ["--loss.replay.weight", "0.1", "--teachers.members", '[{"backend": "oracle"}]', "--teachers.min-agree", "1"]
 SDPO = ["--loss.sdpo.weight", "0.05"]
-ARMS = {"rl": [], "sdpo": SDPO, "replay": REPLAY, "all": [*REPLAY, *SDPO]}
+ARMS = {"rl": [], "sdpo": SDPO, "replay": REPLAY, "all": [*REPLAY, *SDPO]}  # and `replay_own`: `arm_args`
+
+
+def arm_args(arm: str, warmed: Path) -> list[str]:
+    """An arm's `meshrl train` arguments. `replay_own`: replay with two teachers, the seed's warm start
+    answering greedily (a checkpoint of the run, in the policy's own words) before the oracle, both
+    needed (`min_agree` 2) and agreeing by what their actions do, so a pair is mined only where the
+    policy's own greedy start does what the oracle does and its chosen side is the model's action."""
+    if arm != "replay_own":
+        return ARMS[arm]
+    own = {"backend": "hf", "name": "warm_start", "path": str(warmed), "renderer": "hermes"}
+    return ["--loss.replay.weight", "0.1", "--teachers.members", json.dumps([own, {"backend": "oracle"}]),
+            "--teachers.min-agree", "2", "--teachers.agree-by", "outcome"]  # fmt: skip
+
+
 MEASURED = ["--metrics.channel_grad_norms", "true"]  # every arm: how far each channel moved the policy
 KEPT = ("sdpo/tokens", "replay_pairs", "replay/accuracy", "replay/margin", "loss/sdpo", "loss/replay",
         "episode/tool_calls", "tool_errors", "reward/mean", "grad_norm", "grad_norm/rl", "grad_norm/replay",
@@ -80,7 +95,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
+    parser.add_argument("--arms", nargs="+", choices=[*ARMS, "replay_own"], default=list(ARMS))
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "code_tools_bench")
     parser.add_argument("--reuse", action="store_true", help="keep the rows OUT/results.json already has")
     parser.add_argument("--merge", type=Path, nargs="+", help="table these results files together instead")
@@ -111,7 +126,9 @@ def main() -> None:
             if (arm, seed) in done:
                 continue
             run = args.out / f"{arm}_seed{seed}"
-            seconds = preset_runs.train(PRESETS, run, seed, [*start_from, *MEASURED, *ARMS[arm], *args.extra])
+            seconds = preset_runs.train(
+                PRESETS, run, seed, [*start_from, *MEASURED, *arm_args(arm, warmed), *args.extra]
+            )
             evaluated = evaluate(run, args.out / f"{arm}_{seed}.json")
             keep({"arm": arm, "seed": seed, "eval": evaluated, "trained_on": trained_on(run), "seconds": seconds})
     print(table(rows))

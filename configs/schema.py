@@ -669,6 +669,15 @@ TeacherSpec = Annotated[HfTeacher | OpenAITeacher | OracleTeacher, Field(discrim
 class TeachersConfig(Section):
     members: list[TeacherSpec] = Field(default_factory=list, description="Teachers replaying trace states.")
     min_agree: int = Field(2, ge=1, description="k: teachers that must agree on an action to mine a pair.")
+    agree_by: Literal["text", "outcome"] = Field(
+        "text",
+        description="When two actions are the same, for the teachers' agreement and against the student's action: "
+        "'text', written alike (formatting and reasoning aside); 'outcome', they do the same by the task's "
+        "action_outcome (code: both answers pass the tests, both runs pass), so a model teacher can agree with the "
+        "oracle in its own words and a student's correct action unlike the oracle's is not rejected. The chosen "
+        "side is the first agreeing teacher's action in members order. States of ingested traces (no prompt) "
+        "compare by text.",
+    )
     usd_ceiling: float = Field(10.0, ge=0, description="Stop calling paid endpoints past this spend.")
     states_per_step: int = Field(8, ge=1, description="Trace states sent to the teachers per step.")
     max_concurrent_requests: int = Field(

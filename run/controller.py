@@ -49,7 +49,7 @@ from meshrl.run.teachers import TeacherRounds, offline_states
 from meshrl.run.warm_start import sft_steps
 from meshrl.run.weights import WeightPublisher
 from meshrl.sandbox.core import SandboxUnavailable
-from meshrl.tasks.base import make_task, task_tools
+from meshrl.tasks.base import Grading, make_task, task_tools
 from meshrl.topology.faults import HostLost, RunStopped, SupervisionError
 from meshrl.traces.collator import TraceCollator
 
@@ -60,10 +60,13 @@ class Controller:
 
     def __init__(self, config: RunConfig) -> None:
         self.config = config
+        self.task = make_task(config.task)
+        if config.teachers.agree_by == "outcome" and not isinstance(self.task, Grading):
+            raise ValueError(f"teachers.agree_by = 'outcome': the task {config.task.import_path} says nothing of "
+                             f"what an action does (no action_outcome); use 'text'")  # fmt: skip
         self.run = RunDir(config.output_dir)
         self.model_path = resolve_model(config, self.run.root)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.task = make_task(config.task)
         if config.model.lora is not None:  # adapters whose merged weights cannot be built are refused here
             from meshrl.trainer.lora import lora_plan
 
@@ -102,7 +105,8 @@ class Controller:
         self.weights.on_dead = self.generators.died  # a generator found dead while its load settles
         self.weights.on_failed = self.generators.failed  # one whose load raised (its engine refuses to sample)
         self.feed = RolloutFeed(cfg, self.streams, self.generators, self.ingress, self.timeline)
-        self.teachers = TeacherRounds(cfg, meshes, self.offline_states, self.timeline)
+        grading = self.task if cfg.teachers.agree_by == "outcome" else None
+        self.teachers = TeacherRounds(cfg, meshes, self.offline_states, self.timeline, grading)
         self.checkpointer = Checkpointer(cfg, self.run, meshes.trainers, self.timeline)
 
     def shutdown(self) -> None:

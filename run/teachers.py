@@ -9,9 +9,11 @@ teacher: a round still out is counted late and looked at again next step.
 from __future__ import annotations
 
 import base64
+import functools
 import pickle
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,10 +27,19 @@ from meshrl.rollouts.episodes import Rollout, cap_trace
 from meshrl.run.meshes import Meshes
 from meshrl.run.record import Timeline
 from meshrl.run.streams import rng_from, rng_state, stream_seed
+from meshrl.tasks.base import Grading
 from meshrl.topology.faults import SupervisionError
 from meshrl.traces.collator import TraceCollator, to_message
 from meshrl.traces.errors import ErrorClassifier
-from meshrl.traces.pairs import DpoPair, ReplayState, mine_pairs, trace_states
+from meshrl.traces.pairs import (
+    Action,
+    DpoPair,
+    ReplayState,
+    mine_pairs,
+    normalize_action,
+    outcome_key,
+    trace_states,
+)
 from meshrl.traces.schema import TraceExample
 
 
@@ -65,8 +76,16 @@ class TeacherRounds:
     """The teacher actors' rounds in flight, the pairs mined since the last step, and the teachers'
     counters over the run (checkpointed)."""
 
-    def __init__(self, config: RunConfig, meshes: Meshes, offline: list[ReplayState], timeline: Timeline) -> None:
+    def __init__(
+        self,
+        config: RunConfig,
+        meshes: Meshes,
+        offline: list[ReplayState],
+        timeline: Timeline,
+        grading: Grading | None = None,
+    ) -> None:
         self.config, self.meshes, self.offline, self.timeline = config, meshes, offline, timeline
+        self.grading = grading  # `teachers.agree_by = "outcome"`: the task that labels what actions do
         self.rng = random.Random(stream_seed(config) + 3)  # offline states for the teachers
         self.rounds: dict[int, _Round] = {}  # teacher rank -> its round in flight
         self.pairs: list[DpoPair] = []
@@ -102,8 +121,8 @@ class TeacherRounds:
             del self.rounds[rank]
             self.latest[rank] = reply.totals
             self.timeline.add(f"teacher {rank}", pending.sent, time.time(), step)
-            for state, actions in zip(pending.states, reply.actions):
-                pair = mine_pairs(state, actions, self.config.teachers.min_agree)
+            for state, context, actions in zip(pending.states, pending.contexts, reply.actions):
+                pair = mine_pairs(state, actions, self.config.teachers.min_agree, self._key(state, context))
                 if pair is not None:
                     self.pairs.append(pair)
         free = [rank for rank in range(len(pool)) if rank not in self.rounds]
@@ -113,6 +132,14 @@ class TeacherRounds:
                 if states[i :: len(free)]:
                     self._send(rank, states[i :: len(free)], contexts[i :: len(free)])
         return {f"teacher/{k}": float(v) for k, v in {**self.run_totals(), **self.counts}.items()}
+
+    def _key(self, state: ReplayState, context: dict[str, Any]) -> Callable[[Action], str]:
+        """How actions at `state` are told equal: by their text, or (`teachers.agree_by = "outcome"`,
+        at a rollout's state, whose prompt is known) by the task's label of what each does."""
+        prompt = context.get("prompt")
+        if self.grading is None or prompt is None:
+            return normalize_action
+        return outcome_key(functools.partial(self.grading.action_outcome, prompt, state.state_messages))
 
     def _send(self, rank: int, states: list[ReplayState], contexts: list[dict[str, Any]]) -> None:
         """A round of `states` to teacher actor `rank`, with what the run's other actors spent."""

@@ -151,6 +151,17 @@ class Demonstrating(Protocol):
 
 
 @runtime_checkable
+class Grading(Protocol):
+    """Tasks that can say what an action does at a state (`teachers.agree_by = "outcome"`): replay's
+    teachers then agree, and the student's action matches theirs, when their actions do the same,
+    however they are written (two different functions that both pass the tests)."""
+
+    def action_outcome(self, prompt: Prompt, messages: list[dict[str, Any]], action: dict[str, Any]) -> str | None:
+        """A label equal for actions that do the same after `messages`; None where the task cannot
+        tell (the action's text then stands for it)."""
+
+
+@runtime_checkable
 class Hinting(Protocol):
     """Tasks that can hint at a tool error's fix (the SDPO teacher's privileged context)."""
 

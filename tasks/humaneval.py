@@ -364,6 +364,19 @@ class FunctionTask:
             return function_demos.next_action(problem, messages, self.max_turns)
         return {"role": "assistant", "content": f"```python\n{problem['prompt']}{problem['canonical_solution']}```"}
 
+    def action_outcome(self, prompt: Prompt, messages: list[dict[str, Any]], action: dict[str, Any]) -> str | None:
+        """What an action does (`teachers.agree_by = "outcome"`): an answer passes the tests or fails
+        them, graded as the reward grades it; one `run_python` call runs cleanly or fails (the
+        demonstrations' and the oracle's runs check the docstring's example, so for them a clean run
+        is a passing check; a run that checks nothing runs cleanly too). Anything else: None. At most
+        one sandboxed program a call, within the sandbox's limits."""
+        calls = Turn.from_message(action).tool_calls or []
+        if not calls:
+            return "answer passes" if self.reward(prompt, [*messages, action]) == 1.0 else "answer fails"
+        if len(calls) == 1 and calls[0].name == RUN_PYTHON:
+            return "run fails" if self.call_tool(prompt, RUN_PYTHON, calls[0].arguments).is_error else "run passes"
+        return None
+
     def hint(self, error_kind: str, error_meta: dict[str, Any]) -> str | None:
         """The reference function, at an error site of an episode of one of these problems (its trace
         id is the prompt id): SDPO's teacher sees it before the recovery turn. Like the oracle's

@@ -52,8 +52,9 @@ def hf_generate_fn(
     tool_parser: str = "hermes",
     renderer: str = "template",
 ) -> Callable[[list[Message]], Message | None]:
-    """Greedy next assistant turn from a local HF model through its own chat template (with the
-    task's tool schemas) and tool-call form, or through meshrl's Hermes template (`renderer =
+    """Greedy next assistant turn, at most `max_new_tokens` (a run's teachers: the policy's own turn
+    budget, `generator.max_new_tokens`), from a local HF model through its own chat template (with
+    the task's tool schemas) and tool-call form, or through meshrl's Hermes template (`renderer =
     "hermes"`, as a policy of its family renders with `model.renderer = "hermes"`)."""
     tokenizer = AutoTokenizer.from_pretrained(path)
     if renderer == HERMES and not is_chatml(tokenizer):

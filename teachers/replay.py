@@ -113,8 +113,8 @@ def make_teachers(config: RunConfig, meter: CostMeter, device: str = "cpu") -> l
             teacher.check_tools()
             teachers.append(teacher)
         elif spec.backend == "hf":
-            generate = hf_generate_fn(spec.path, device, tools=tools, tool_parser=spec.tool_parser,
-                                      renderer=spec.renderer)  # fmt: skip
+            generate = hf_generate_fn(spec.path, device, config.generator.max_new_tokens, tools=tools,
+                                      tool_parser=spec.tool_parser, renderer=spec.renderer)  # fmt: skip
             teachers.append(HFTeacher(spec, generate))
         else:
             teachers.append(OracleTeacher(task, name=spec.name))

@@ -258,6 +258,8 @@ REPO_FIX = ["@", str(LOCAL), "@", str(REPO / "configs" / "repo_fix.toml")]
          "task.kwargs.tries: 'eight' does not fit meshrl.tasks.repo.task:RepoFixTask's tries: int"),
         ([*REPO_FIX, "--task.kwargs.modules", "colorsys"], "task.kwargs.modules: 'colorsys' does not fit"),
         ([*REPO_FIX, "--task.kwargs.per_modules", "4"], "did you mean 'per_module'?"),
+        (["@", str(LOCAL), "--teachers.agree-by", "outcome"],
+         "teachers.agree_by = 'outcome': the task meshrl.tasks.toy:ToolTask says nothing of what an action does"),
     ],
 )  # fmt: skip
 def test_a_start_that_would_fail_is_refused_in_one_line_and_leaves_no_run_directory(tmp_path, args, needle):

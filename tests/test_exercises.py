@@ -8,16 +8,20 @@ the same scorer and are in tests/test_reward_redteam.py."""
 from __future__ import annotations
 
 import ast
+import functools
 import random
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from meshrl.tasks import function_demos
 from meshrl.tasks.base import Ending
 from meshrl.tasks.exercises import FAMILIES, ExercisesTask, exercises
 from meshrl.tasks.humaneval import record, replay
 from meshrl.teachers.oracle import OracleTeacher
-from meshrl.traces.pairs import mine_pairs, trace_states
+from meshrl.traces.pairs import ReplayState, action_message, mine_pairs, outcome_key, trace_states
+from meshrl.traces.schema import Turn
 
 
 @pytest.fixture(scope="module")
@@ -194,3 +198,59 @@ def test_the_oracle_teacher_runs_the_reference_then_answers_and_the_demonstratio
         bugged = [t for t in demo.turns if t.role == "tool" and t.is_error]
         assert [pair.turn_index for pair in pairs if pair] == [len(prompt.messages)] * len(bugged)
     assert {len([t for t in d.turns if t.role == "tool" and t.is_error]) for d in demos} == {0, 1}
+
+
+def test_by_outcome_the_oracle_and_a_model_agree_on_what_their_code_does_and_a_correct_student_is_not_rejected(
+    tool_task,
+):
+    """`teachers.agree_by = "outcome"`: actions are equal when the task grades them alike. A run of
+    the reference written otherwise passes as the oracle's run does, so no pair rejects it (by text
+    it is rejected); a failing run is still rejected, and with the oracle and a model teacher whose
+    own run also passes (min_agree 2) the chosen side is the model's words, first in members order.
+    Answers agree when both pass the tests. The student cannot forge a passing run: printing the
+    sandbox's report and exiting 1 is a failing run."""
+    prompt = tool_task.sample_prompts(random.Random(3), 1)[0]
+    problem = tool_task.problems[prompt.answer]
+    oracle = OracleTeacher(tool_task).act(prompt.messages, {"prompt": prompt})
+    own_run = function_demos.reference_run(problem).replace("\nresult =", "\n# checking the example\nresult =")
+
+    def run(code: str) -> Turn:
+        return Turn(
+            role="assistant", content="", tool_calls=[{"id": "c1", "name": "run_python", "arguments": {"code": code}}]
+        )
+
+    def at_start(student: Turn) -> ReplayState:
+        return ReplayState(trace_id=prompt.prompt_id, turn_index=len(prompt.messages),
+                           state_messages=prompt.messages, student_action=student)  # fmt: skip
+
+    def by_outcome() -> Callable:
+        return outcome_key(functools.partial(tool_task.action_outcome, prompt, prompt.messages))
+
+    correct, failing = at_start(run(own_run)), at_start(run("raise SystemExit(3)"))
+    forged = at_start(run("print('[exit status 0]')\nraise SystemExit(1)"))
+    assert mine_pairs(correct, {"oracle": oracle}, 1) is not None  # by text: rejected for its wording
+    assert mine_pairs(correct, {"oracle": oracle}, 1, by_outcome()) is None
+    for student in (failing, forged):
+        pair = mine_pairs(student, {"oracle": oracle}, 1, by_outcome())
+        assert pair is not None and pair.chosen["tool_calls"][0]["arguments"] == {
+            "code": function_demos.reference_run(problem)
+        }
+    model = action_message(run(own_run))
+    pair = mine_pairs(failing, {"model": model, "oracle": oracle}, 2, by_outcome())
+    assert pair.teachers == ["model", "oracle"] and pair.chosen == model
+    assert mine_pairs(failing, {"model": model, "oracle": oracle}, 2) is None  # by text they never agree
+    wrong = {
+        "role": "assistant",
+        "content": "```python\n" + function_demos.function(problem, "    return None\n") + "```",
+    }
+    right = {"role": "assistant", "content": function_demos.answer(problem)}
+    written_otherwise = {
+        "role": "assistant",
+        "content": function_demos.answer(problem).replace("```python\n", "```python\n# mine\n"),
+    }
+    labels = {name: tool_task.action_outcome(prompt, prompt.messages, action)
+              for name, action in {"wrong": wrong, "right": right, "otherwise": written_otherwise}.items()}  # fmt: skip
+    assert labels == {"wrong": "answer fails", "right": "answer passes", "otherwise": "answer passes"}
+    two_calls = {**action_message(run(own_run))}
+    two_calls["tool_calls"] = two_calls["tool_calls"] * 2
+    assert tool_task.action_outcome(prompt, prompt.messages, two_calls) is None  # left to its text

@@ -29,7 +29,9 @@ from meshrl.rollouts.episodes import EpisodeFormat, Rollout
 from meshrl.run.export import export_model
 from meshrl.tasks.base import make_task, task_tools
 from meshrl.tasks.humaneval import HumanEvalTask
+from meshrl.teachers.cost import CostMeter
 from meshrl.teachers.hf import hf_generate_fn
+from meshrl.teachers.replay import make_teachers
 from meshrl.traces.collator import TraceCollator
 from meshrl.trainer.checkpoint import TrainerState, write_checkpoint
 
@@ -208,3 +210,24 @@ def test_an_hf_teacher_of_the_family_answers_prompts_rendered_as_the_policys(tok
     answer = hf_generate_fn(str(tmp_path), tools=task.tools, tool_parser="llama3", renderer="hermes")(messages)
     assert prompts == [EpisodeFormat(tokenizer, task, HERMES).chat.prompt_ids(messages)]
     assert [c["function"] for c in answer["tool_calls"]] == [{"name": "run_python", "arguments": {"code": "print(2)"}}]
+
+
+def test_a_run_s_hf_teacher_may_answer_as_long_as_the_policy_may(tokenizer, tmp_path, monkeypatch):
+    """A run's HF teacher (a checkpoint of the policy, say) gets the policy's own turn budget,
+    `generator.max_new_tokens`: a shorter one would cut the function it answers with."""
+    tokenizer.save_pretrained(tmp_path)
+    budgets: list[int] = []
+
+    class Engine:
+        def generate(self, batch: list[list[int]], **sampling) -> list[Completion]:
+            budgets.append(sampling["max_new_tokens"])
+            answer = [*ids(tokenizer, "Done."), tokenizer.convert_tokens_to_ids("<|im_end|>")]
+            return [Completion(batch[0], answer, [0.0] * len(answer), "stop")]
+
+    monkeypatch.setattr(HFEngine, "from_pretrained", classmethod(lambda cls, path, device="cpu": Engine()))
+    member = {"backend": "hf", "name": "own", "path": str(tmp_path), "renderer": "hermes"}
+    config = load_config(["--generator.max-new-tokens", "300", "--teachers.members", json.dumps([member]),
+                          "--teachers.min-agree", "1"])  # fmt: skip
+    (teacher,) = make_teachers(config, CostMeter(10.0))
+    assert teacher.act([{"role": "user", "content": "Value of a?"}]) == {"role": "assistant", "content": "Done."}
+    assert budgets == [300]

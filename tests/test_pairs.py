@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from meshrl.traces.pairs import DpoPair, ReplayState, mine_pairs, normalize_action, trace_states
+from meshrl.traces.pairs import DpoPair, ReplayState, mine_pairs, normalize_action, outcome_key, trace_states
 from meshrl.traces.schema import ToolCall, TraceExample, Turn
 
 
@@ -187,6 +187,26 @@ def test_pair_json_round_trips():
     pair = mine_pairs(state(LS), {"a": CAT}, min_agree=1)
     assert pair is not None
     assert DpoPair.model_validate_json(pair.to_json()) == pair
+
+
+def test_by_outcome_actions_written_apart_agree_each_text_is_labelled_once_and_an_unlabelled_one_is_its_text():
+    """`outcome_key`: the label of what an action does groups teachers and matches the student; a
+    label is asked once per distinct text (a sandboxed run each); None leaves the action's text."""
+    asked: list[str] = []
+
+    def outcome(message: dict) -> str | None:
+        cmd = message["tool_calls"][0]["arguments"].get("cmd", "") if message.get("tool_calls") else ""
+        asked.append(cmd)
+        return {"ls": "lists", "ls -1": "lists", "ls  -a": "lists"}.get(cmd)
+
+    listing = act("Listing one a line.", ("bash", {"cmd": "ls -1"}))
+    pair = mine_pairs(state(CAT), {"a": LS, "b": listing, "c": PWD}, min_agree=2, key=outcome_key(outcome))
+    assert pair is not None and pair.teachers == ["a", "b"] and pair.chosen == LS.model_dump(exclude_none=True)
+    assert mine_pairs(state(CAT), {"a": LS, "b": listing, "c": PWD}, min_agree=2) is None  # by text: three answers
+    key = outcome_key(outcome)
+    assert mine_pairs(state(listing), {"a": LS, "b": LS}, min_agree=2, key=key) is None  # the student lists too
+    assert sorted(asked[-2:]) == ["ls", "ls -1"]  # LS asked once for two teachers
+    assert key(PWD) == normalize_action(PWD) and key(CAT) != key(PWD)  # unlabelled: their texts
 
 
 # --- trace_states -------------------------------------------------------------------------

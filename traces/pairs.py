@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -100,9 +100,26 @@ def normalize_action(turn: Action) -> str:
     return json.dumps(key, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-def _action_dict(turn: Turn) -> dict[str, Any]:
-    action = Turn(role="assistant", content=turn.content, tool_calls=turn.tool_calls)
-    return action.model_dump(exclude_none=True)
+def outcome_key(outcome: Callable[[dict[str, Any]], str | None]) -> Callable[[Action], str]:
+    """A key for `mine_pairs` that tells actions apart by what they do at one state: `outcome`'s
+    label of the action's message, asked once per distinct text (a label may cost a sandboxed
+    run); where it returns None, the action's text stands for it."""
+    labels: dict[str, str] = {}
+
+    def key(action: Action) -> str:
+        text = normalize_action(action)
+        if text not in labels:
+            label = outcome(action_message(action))
+            labels[text] = text if label is None else f"outcome: {label}"
+        return labels[text]
+
+    return key
+
+
+def action_message(action: Action) -> dict[str, Any]:
+    """An action as an assistant chat message (flat tool calls), without a trace turn's annotations."""
+    turn = _as_action(action)
+    return Turn(role="assistant", content=turn.content, tool_calls=turn.tool_calls).model_dump(exclude_none=True)
 
 
 def trace_states(example: TraceExample) -> list[ReplayState]:
@@ -128,12 +145,19 @@ def trace_states(example: TraceExample) -> list[ReplayState]:
     return states
 
 
-def mine_pairs(state: ReplayState, teacher_actions: Mapping[str, Action | None], min_agree: int) -> DpoPair | None:
+def mine_pairs(
+    state: ReplayState,
+    teacher_actions: Mapping[str, Action | None],
+    min_agree: int,
+    key: Callable[[Action], str] = normalize_action,
+) -> DpoPair | None:
     """The pair at this state when at least `min_agree` teachers agree on another action.
 
-    Teachers that failed (None) are left out. The largest group of equal actions is the
-    consensus; a tie for largest gives no pair, since no action is the teachers' answer.
-    `chosen` is the first agreeing teacher's action (in mapping order).
+    Teachers that failed (None) are left out. Actions are equal when `key` says so (their text,
+    by default; the task's outcome with `teachers.agree_by = "outcome"`), the student's too. The
+    largest group of equal actions is the consensus; a tie for largest gives no pair, since no
+    action is the teachers' answer. `chosen` is the first agreeing teacher's action (in mapping
+    order).
     """
     if min_agree < 1:
         raise ValueError(f"min_agree must be at least 1, got {min_agree}")
@@ -141,21 +165,21 @@ def mine_pairs(state: ReplayState, teacher_actions: Mapping[str, Action | None],
     for name, action in teacher_actions.items():
         if action is not None:
             turn = _as_action(action)
-            groups.setdefault(normalize_action(turn), []).append((name, turn))
+            groups.setdefault(key(turn), []).append((name, turn))
     if not groups:
         return None
     sizes = sorted((len(members) for members in groups.values()), reverse=True)
     if len(sizes) > 1 and sizes[0] == sizes[1]:
         return None
-    key, members = max(groups.items(), key=lambda item: len(item[1]))
-    if len(members) < min_agree or key == normalize_action(state.student_action):
+    consensus, members = max(groups.items(), key=lambda item: len(item[1]))
+    if len(members) < min_agree or consensus == key(state.student_action):
         return None
     return DpoPair(
         trace_id=state.trace_id,
         turn_index=state.turn_index,
         state_messages=state.state_messages,
-        chosen=_action_dict(members[0][1]),
-        rejected=_action_dict(state.student_action),
+        chosen=action_message(members[0][1]),
+        rejected=action_message(state.student_action),
         n_teachers_agreeing=len(members),
         teachers=sorted(name for name, _ in members),
         n_teachers=sum(len(m) for m in groups.values()),
