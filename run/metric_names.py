@@ -166,6 +166,12 @@ METRICS: dict[str, dict[str, str]] = {
     "Teachers": {
         "teacher/actor_failures": "Teacher actors that died mid-round (each respawned; cumulative).",
         "teacher/late_rounds": "Polls that found a teacher round still out (once per step per round).",
+        "teacher/mined_pair": "States the teachers answered that gave a replay pair (cumulative).",
+        "teacher/mined_student_agrees": "States whose teachers' consensus was the student's own action, by "
+        "teachers.agree_by: no pair (cumulative).",
+        "teacher/mined_no_consensus": "States with no action min_agree teachers agree on, or a tie for the largest "
+        "group: no pair (cumulative).",
+        "teacher/mined_no_answer": "States every teacher failed or abstained on (cumulative).",
         "teacher/calls": "Requests made to teacher backends (cache misses within budget; cumulative).",
         "teacher/cache_hits": "Answers served from the on-disk teacher cache (cumulative).",
         "teacher/failures": "Teacher requests that gave no usable action (cumulative).",

@@ -35,12 +35,22 @@ from meshrl.traces.pairs import (
     Action,
     DpoPair,
     ReplayState,
-    mine_pairs,
+    mine,
     normalize_action,
     outcome_key,
     trace_states,
 )
 from meshrl.traces.schema import TraceExample
+
+# The controller's teacher counters (cumulative, checkpointed): rounds, and what mining each answered state gave.
+COUNTS = (
+    "actor_failures",
+    "late_rounds",
+    "mined_pair",
+    "mined_student_agrees",
+    "mined_no_consensus",
+    "mined_no_answer",
+)
 
 
 def offline_states(config: RunConfig, tokenizer: PreTrainedTokenizerBase, collator: TraceCollator) -> list[ReplayState]:
@@ -89,7 +99,7 @@ class TeacherRounds:
         self.rng = random.Random(stream_seed(config) + 3)  # offline states for the teachers
         self.rounds: dict[int, _Round] = {}  # teacher rank -> its round in flight
         self.pairs: list[DpoPair] = []
-        self.counts = {"actor_failures": 0, "late_rounds": 0}
+        self.counts = dict.fromkeys(COUNTS, 0)
         self.totals: dict[str, float] = {}  # counters of teacher actors gone (died, or before a resume)
         self.latest: dict[int, dict[str, float]] = {}  # teacher rank -> its live actor's counters
 
@@ -122,9 +132,10 @@ class TeacherRounds:
             self.latest[rank] = reply.totals
             self.timeline.add(f"teacher {rank}", pending.sent, time.time(), step)
             for state, context, actions in zip(pending.states, pending.contexts, reply.actions):
-                pair = mine_pairs(state, actions, self.config.teachers.min_agree, self._key(state, context))
-                if pair is not None:
-                    self.pairs.append(pair)
+                mined = mine(state, actions, self.config.teachers.min_agree, self._key(state, context))
+                self.counts[f"mined_{mined.why}"] += 1
+                if mined.pair is not None:
+                    self.pairs.append(mined.pair)
         free = [rank for rank in range(len(pool)) if rank not in self.rounds]
         if free:
             states, contexts = self._states(rollouts)
@@ -191,7 +202,7 @@ class TeacherRounds:
 
     def restore(self, state: dict[str, Any]) -> None:
         self.rng.setstate(rng_from(state["teacher_rng"]))
-        self.totals, self.counts = state["teacher_totals"], state["teacher_counts"]
+        self.totals, self.counts = state["teacher_totals"], {**self.counts, **state["teacher_counts"]}
         self.pairs = [DpoPair.model_validate(p) for p in state["pairs"]]
         pool = self.meshes.teachers
         for out in state.get("teacher_rounds", []):  # absent from checkpoints of earlier versions

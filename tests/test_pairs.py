@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from meshrl.traces.pairs import DpoPair, ReplayState, mine_pairs, normalize_action, outcome_key, trace_states
+from meshrl.traces.pairs import DpoPair, ReplayState, mine, mine_pairs, normalize_action, outcome_key, trace_states
 from meshrl.traces.schema import ToolCall, TraceExample, Turn
 
 
@@ -187,6 +187,15 @@ def test_pair_json_round_trips():
     pair = mine_pairs(state(LS), {"a": CAT}, min_agree=1)
     assert pair is not None
     assert DpoPair.model_validate_json(pair.to_json()) == pair
+
+
+def test_mining_says_why_a_state_gave_no_pair():
+    assert mine(state(LS), {"a": None, "b": None}, min_agree=1).why == "no_answer"
+    assert mine(state(LS), {"a": CAT, "b": PWD}, min_agree=1).why == "no_consensus"  # a tie
+    assert mine(state(LS), {"a": CAT, "b": None}, min_agree=2).why == "no_consensus"  # too few agree
+    assert mine(state(LS), {"a": LS, "b": LS, "c": CAT}, min_agree=2).why == "student_agrees"
+    mined = mine(state(LS), {"a": CAT, "b": CAT}, min_agree=2)
+    assert mined.why == "pair" and mined.pair == mine_pairs(state(LS), {"a": CAT, "b": CAT}, min_agree=2)
 
 
 def test_by_outcome_actions_written_apart_agree_each_text_is_labelled_once_and_an_unlabelled_one_is_its_text():

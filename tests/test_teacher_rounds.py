@@ -107,6 +107,10 @@ def test_by_outcome_a_round_is_mined_with_the_task_s_labels_of_the_student_s_and
     rounds.round([episode], step=0)
     rounds.round([], step=1)
     rejected = [pair.rejected for pair in rounds.take_pairs()]
+    counts = {key: value for key, value in rounds.round([], step=2).items() if key.startswith("teacher/mined_")}
     task.sandbox.close()
     assert ran.is_error is False
     assert [bool(r.get("tool_calls")) for r in rejected] == ([True, False] if agree_by == "text" else [False])
+    pairs, agrees = (2, 0) if agree_by == "text" else (1, 1)  # by outcome the student's run is the oracle's
+    assert counts == {"teacher/mined_pair": pairs, "teacher/mined_student_agrees": agrees,
+                      "teacher/mined_no_consensus": 0, "teacher/mined_no_answer": 0}  # fmt: skip

@@ -24,7 +24,8 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -145,13 +146,34 @@ def trace_states(example: TraceExample) -> list[ReplayState]:
     return states
 
 
+@dataclass(frozen=True)
+class Mined:
+    """What mining one state gave: its pair, or why none (`teacher/mined_<why>` counts them)."""
+
+    pair: DpoPair | None
+    why: Literal["pair", "student_agrees", "no_consensus", "no_answer"]
+
+
 def mine_pairs(
     state: ReplayState,
     teacher_actions: Mapping[str, Action | None],
     min_agree: int,
     key: Callable[[Action], str] = normalize_action,
 ) -> DpoPair | None:
-    """The pair at this state when at least `min_agree` teachers agree on another action.
+    """The pair at this state when at least `min_agree` teachers agree on another action (`mine`)."""
+    return mine(state, teacher_actions, min_agree, key).pair
+
+
+def mine(
+    state: ReplayState,
+    teacher_actions: Mapping[str, Action | None],
+    min_agree: int,
+    key: Callable[[Action], str] = normalize_action,
+) -> Mined:
+    """The pair at this state when at least `min_agree` teachers agree on another action, or why
+    there is none: every teacher failed (`no_answer`), no action has `min_agree` teachers or two
+    tie for largest (`no_consensus`), or the consensus is the student's own action
+    (`student_agrees`).
 
     Teachers that failed (None) are left out. Actions are equal when `key` says so (their text,
     by default; the task's outcome with `teachers.agree_by = "outcome"`), the student's too. The
@@ -167,14 +189,14 @@ def mine_pairs(
             turn = _as_action(action)
             groups.setdefault(key(turn), []).append((name, turn))
     if not groups:
-        return None
+        return Mined(None, "no_answer")
     sizes = sorted((len(members) for members in groups.values()), reverse=True)
-    if len(sizes) > 1 and sizes[0] == sizes[1]:
-        return None
     consensus, members = max(groups.items(), key=lambda item: len(item[1]))
-    if len(members) < min_agree or consensus == key(state.student_action):
-        return None
-    return DpoPair(
+    if (len(sizes) > 1 and sizes[0] == sizes[1]) or len(members) < min_agree:
+        return Mined(None, "no_consensus")
+    if consensus == key(state.student_action):
+        return Mined(None, "student_agrees")
+    pair = DpoPair(
         trace_id=state.trace_id,
         turn_index=state.turn_index,
         state_messages=state.state_messages,
@@ -186,3 +208,4 @@ def mine_pairs(
         prompt_token_ids=state.prompt_token_ids,
         rejected_token_ids=state.student_token_ids,
     )
+    return Mined(pair, "pair")
