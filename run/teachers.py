@@ -192,7 +192,7 @@ class TeacherRounds:
         return {
             "teacher_rng": rng_state(self.rng),
             "teacher_totals": self.run_totals(),
-            "teacher_counts": self.counts,
+            "teacher_counts": dict(self.counts),  # a copy: the checkpoint is written while the next step mines
             "pairs": [p.model_dump() for p in self.pairs],
             "teacher_rounds": [
                 {"rank": rank, "states": [s.model_dump() for s in out.states], "contexts": _packed(out.contexts)}
