@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from transformers import PreTrainedTokenizerBase
 
@@ -35,6 +35,7 @@ from meshrl.traces.pairs import (
     Action,
     DpoPair,
     ReplayState,
+    Why,
     mine,
     normalize_action,
     outcome_key,
@@ -43,14 +44,7 @@ from meshrl.traces.pairs import (
 from meshrl.traces.schema import TraceExample
 
 # The controller's teacher counters (cumulative, checkpointed): rounds, and what mining each answered state gave.
-COUNTS = (
-    "actor_failures",
-    "late_rounds",
-    "mined_pair",
-    "mined_student_agrees",
-    "mined_no_consensus",
-    "mined_no_answer",
-)
+COUNTS = ("actor_failures", "late_rounds", *(f"mined_{why}" for why in get_args(Why)))
 
 
 def offline_states(config: RunConfig, tokenizer: PreTrainedTokenizerBase, collator: TraceCollator) -> list[ReplayState]:

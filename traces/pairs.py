@@ -146,12 +146,15 @@ def trace_states(example: TraceExample) -> list[ReplayState]:
     return states
 
 
+Why = Literal["pair", "student_agrees", "no_consensus", "no_answer"]  # what mining a state gave
+
+
 @dataclass(frozen=True)
 class Mined:
     """What mining one state gave: its pair, or why none (`teacher/mined_<why>` counts them)."""
 
     pair: DpoPair | None
-    why: Literal["pair", "student_agrees", "no_consensus", "no_answer"]
+    why: Why
 
 
 def mine_pairs(
