@@ -204,8 +204,8 @@ class Curve:
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:
     """What a run's curve depends on (beside its seed, in its directory's name): reused only under the same."""
-    names = ("task", "steps", "prompts", "samples", "max_new_tokens", "lr", "async_level", "zero_advantage_tokens",
-             "system_prompt", "lora", "lora_lr", "eval_n", "eval_k", "eval_backend")  # fmt: skip
+    names = ("task", "model", "steps", "prompts", "samples", "max_new_tokens", "lr", "async_level", "refill",
+             "zero_advantage_tokens", "system_prompt", "lora", "lora_lr", "eval_n", "eval_k", "eval_backend")  # fmt: skip
     return {name: getattr(args, name, None) for name in names}
 
 
