@@ -3,6 +3,7 @@ after RL with each loss channel, over seeds.
 
     python benchmarks/code_tools.py [--seeds 0 1 2] [--arms rl sdpo replay all replay_own] [--out runs/code_tools_bench] [-- ARGS]
     python benchmarks/code_tools.py --merge runs/ct_s0/results.json runs/ct_s1/results.json   # seeds run apart
+    python benchmarks/code_tools.py --moves [--seeds 0 1 2] [--out runs/code_tools_bench]       # finished runs
 
 `configs/local.toml` under `configs/smollm2_code_tools.toml` (the code exercises with `run_python`).
 Each seed's warm start runs once and every arm of that seed starts RL from its export (fresh
@@ -15,7 +16,10 @@ the hint being the reference function), `replay` (+replay DPO, the task's oracle
 outcome: `arm_args`). Beside pass@1 each row keeps what the channel trained on: SDPO recovery tokens and
 replay pairs per step, replay's accuracy and margin, each channel's loss and its part of the
 gradient (`metrics.channel_grad_norms`), tool calls and errors per episode. Rows go to
-OUT/results.json as each finishes (`--reuse` keeps finished ones).
+OUT/results.json as each finishes (`--reuse` keeps finished ones). `--moves` reads the finished
+runs instead: how far each arm's final weights are from the seed's warm start, and the cosine of
+that move with RL alone's (AdamW's step length is set by the learning rate, not by the gradient's
+norm, so a channel that pulls as hard as RL takes its share of the direction, not extra length).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import preset_runs  # benchmarks/, beside this script
+import torch
+from safetensors.torch import load_file
 
 REPO = preset_runs.REPO
 PRESETS = [REPO / "configs" / "local.toml", REPO / "configs" / "smollm2_code_tools.toml"]
@@ -82,6 +88,27 @@ def trained_on(run: Path) -> dict[str, float]:
     return means
 
 
+def moves(out: Path, seeds: list[int]) -> str:
+    """Each finished arm's distance from its seed's warm start (L2 over all weights) and the cosine of
+    its move with RL alone's."""
+    lines = []
+    for seed in seeds:
+        warm = load_file(out / f"warm_seed{seed}" / "final" / "model.safetensors")
+        moved = {}
+        for arm in [*ARMS, "replay_own"]:
+            weights = out / f"{arm}_seed{seed}" / "final" / "model.safetensors"
+            if weights.exists():
+                final = load_file(weights)
+                moved[arm] = torch.cat([(final[k].double() - warm[k].double()).flatten() for k in warm])
+        rl = moved.get("rl")
+        for arm, delta in moved.items():
+            cosine = (
+                "" if rl is None or arm == "rl" else f", cosine with rl's {torch.cosine_similarity(delta, rl, 0):.3f}"
+            )
+            lines.append(f"seed {seed} {arm}: moved {delta.norm():.3f}{cosine}")
+    return "\n".join(lines)
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     seeds = sorted({row["seed"] for row in rows if row["seed"] is not None})
     arms = list(dict.fromkeys(row["arm"] for row in rows))
@@ -102,10 +129,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "code_tools_bench")
     parser.add_argument("--reuse", action="store_true", help="keep the rows OUT/results.json already has")
     parser.add_argument("--merge", type=Path, nargs="+", help="table these results files together instead")
+    parser.add_argument("--moves", action="store_true", help="how far the finished runs in OUT moved, instead")
     parser.add_argument("extra", nargs="*", help="after --: arguments for every meshrl train")
     args = parser.parse_args()
     if args.merge:
         print(table([row for path in args.merge for row in json.loads(path.read_text())]))
+        return
+    if args.moves:
+        print(moves(args.out, args.seeds))
         return
     args.out = args.out.resolve()  # the runs' processes start in the repository
     args.out.mkdir(parents=True, exist_ok=True)
