@@ -44,6 +44,7 @@ REPLAY = ["--loss.replay.weight", "0.1", "--teachers.members", '[{"backend": "or
 # at 3 the two pull about alike; at 0.05 (its first try) it was 1/60 to 1/40 of RL's: RL alone.
 SDPO = ["--loss.sdpo.weight", "3"]
 ARMS = {"rl": [], "sdpo": SDPO, "replay": REPLAY, "all": [*REPLAY, *SDPO]}  # and `replay_own`: `arm_args`
+ARM_NAMES = [*ARMS, "replay_own"]
 
 
 def arm_args(arm: str, warmed: Path) -> list[str]:
@@ -88,17 +89,21 @@ def trained_on(run: Path) -> dict[str, float]:
     return means
 
 
+def exported(run: Path) -> dict[str, torch.Tensor]:
+    """A run's exported weights (RUN/final, every safetensors shard)."""
+    return {name: t for shard in sorted((run / "final").glob("*.safetensors")) for name, t in load_file(shard).items()}
+
+
 def moves(out: Path, seeds: list[int]) -> str:
     """Each finished arm's distance from its seed's warm start (L2 over all weights) and the cosine of
     its move with RL alone's."""
     lines = []
     for seed in seeds:
-        warm = load_file(out / f"warm_seed{seed}" / "final" / "model.safetensors")
+        warm = exported(out / f"warm_seed{seed}")
         moved = {}
-        for arm in [*ARMS, "replay_own"]:
-            weights = out / f"{arm}_seed{seed}" / "final" / "model.safetensors"
-            if weights.exists():
-                final = load_file(weights)
+        for arm in ARM_NAMES:
+            if (out / f"{arm}_seed{seed}" / "final").is_dir():
+                final = exported(out / f"{arm}_seed{seed}")
                 moved[arm] = torch.cat([(final[k].double() - warm[k].double()).flatten() for k in warm])
         rl = moved.get("rl")
         for arm, delta in moved.items():
@@ -125,7 +130,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--arms", nargs="+", choices=[*ARMS, "replay_own"], default=list(ARMS))
+    parser.add_argument("--arms", nargs="+", choices=ARM_NAMES, default=list(ARMS))
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "code_tools_bench")
     parser.add_argument("--reuse", action="store_true", help="keep the rows OUT/results.json already has")
     parser.add_argument("--merge", type=Path, nargs="+", help="table these results files together instead")

@@ -19,11 +19,13 @@ from __future__ import annotations
 import argparse
 import random
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from meshrl.configs.run_record import run_config
+from meshrl.configs.schema import RunConfig
 from meshrl.loss_adapters.compose import sdpo_targets
 from meshrl.loss_adapters.sdpo import generalized_jsd
 from meshrl.rollouts.chat import ChatSettings, make_chat
@@ -31,12 +33,19 @@ from meshrl.tasks.base import make_task, task_tools
 from meshrl.traces.collator import TraceCollator
 
 
-def site_distributions(run: Path, demos: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]:
-    """Student and teacher log-probabilities at every recovery token (N, V), the tokens (N), and each
-    position's context text, for the run's policy on the seeded demonstrations' error sites."""
-    config = run_config(run)
+class Sites(NamedTuple):
+    """A policy's view of the demonstrations' recovery tokens: student and teacher log-probabilities
+    (N, V), the tokens (N), and each position's context text."""
+
+    student: torch.Tensor
+    teacher: torch.Tensor
+    tokens: torch.Tensor
+    contexts: list[str]
+
+
+def site_distributions(run: Path, config: RunConfig, tokenizer: AutoTokenizer, demos: int, seed: int) -> Sites:
+    """The run's exported policy at the seeded demonstrations' error sites, in SDPO's rows."""
     task = make_task(config.task)
-    tokenizer = AutoTokenizer.from_pretrained(run / "final")
     tools = task_tools(task)
     chat = ChatSettings.of(config.model)
     collator = TraceCollator(
@@ -57,7 +66,7 @@ def site_distributions(run: Path, demos: int, seed: int) -> tuple[torch.Tensor, 
             sides.append(torch.log_softmax(policy(input_ids=ids, attention_mask=mask).logits[:, :-1], -1)[targets])
     ids = batch["sdpo_student_input_ids"]
     contexts = [tokenizer.decode(ids[r, max(0, c - 12) : c + 1]) for r, c in torch.nonzero(targets).tolist()]
-    return sides[0], sides[1], ids[:, 1:][targets], contexts
+    return Sites(sides[0], sides[1], ids[:, 1:][targets], contexts)
 
 
 def top(tokenizer: AutoTokenizer, logprobs: torch.Tensor) -> str:
@@ -73,21 +82,24 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=11, help="the demonstrations' draw")
     parser.add_argument("--top", type=int, default=6, help="positions shown, where the first run's hint moves most")
     args = parser.parse_args()
-    positions = None
+    first = positions = None
     for run in args.runs:
-        sdpo = run_config(run).loss.sdpo
-        student, teacher, tokens, contexts = site_distributions(run, args.demos, args.seed)
+        config = run_config(run)
+        tokenizer = AutoTokenizer.from_pretrained(run / "final")
+        student, teacher, tokens, contexts = site_distributions(run, config, tokenizer, args.demos, args.seed)
+        sdpo = config.loss.sdpo
         jsd = torch.stack([
             generalized_jsd(s[None], t[None], beta=sdpo.jsd_beta, temperature=sdpo.temperature) for s, t in zip(student, teacher)
         ])  # fmt: skip
-        if positions is None:
-            positions = jsd.topk(min(args.top, jsd.numel())).indices
+        if first is None:
+            first, positions = tokens, jsd.topk(min(args.top, jsd.numel())).indices
+        elif not torch.equal(tokens, first):  # another task or chat format: its positions are not the first run's
+            raise SystemExit(f"{run}: its recovery tokens differ from {args.runs[0]}'s; compare runs of one task")
         print(
             f"{run}: {tokens.numel()} recovery tokens; JSD a token {jsd.mean():.4f} (max {jsd.max():.3f}), "
             f"above 0.01 at {(jsd > 0.01).float().mean():.1%}; top tokens differ at "
             f"{(student.argmax(-1) != teacher.argmax(-1)).float().mean():.1%}"
         )
-        tokenizer = AutoTokenizer.from_pretrained(run / "final")
         for i in positions.tolist():
             print(
                 f"  JSD {jsd[i]:.3f} after {contexts[i][-48:]!r}: student {top(tokenizer, student[i])}; "
