@@ -16,6 +16,7 @@ config's (`trainer.diloco.*`). The reward curves go to docs/islands_reward.png (
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import subprocess
@@ -27,9 +28,9 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
-from safetensors.torch import load_file
 
 from meshrl.configs.schema import DilocoConfig
+from meshrl.inference.vllm_engine import checkpoint_shapes
 from meshrl.run.run_dir import RunDir
 from meshrl.trainer.islands import serve_lighthouse
 
@@ -111,8 +112,8 @@ def main() -> None:
 
     base, a, b = records(root / "one"), records(root / "a"), records(root / "b")
     steps = len(base)
-    weights = [t for f in (root / "one" / "final").glob("*.safetensors") for t in load_file(f).values()]
-    param_bytes = sum(t.numel() * 4 for t in weights)  # float32 master gradients, one per parameter
+    shapes = checkpoint_shapes(root / "one" / "final").values()  # from the files' headers, no tensor read
+    param_bytes = sum(math.prod(shape) * 4 for shape in shapes)  # float32 master gradients, one per parameter
     diloco_per_step = a[-1]["diloco/payload_bytes"] / len(a)
     reward = lambda rs: [r["reward/mean"] for r in rs]  # noqa: E731
     two = [(x + y) / 2 for x, y in zip(reward(a), reward(b), strict=True)]
