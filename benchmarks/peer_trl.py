@@ -485,6 +485,9 @@ def main() -> None:
     parser.add_argument("--reuse", action="store_true",
                         help="keep each run (and each starting model's score) saved under --out by an earlier call "
                              "with the same settings, so seeds and trainers can be run apart")  # fmt: skip
+    parser.add_argument("--only", choices=["meshrl", "trl"], default=None,
+                        help="run only this trainer's arms; the other's runs saved under --out (with --reuse) "
+                             "are still shown beside them")  # fmt: skip
     args = parser.parse_args()
     if is_code(args) and args.system_prompt:
         parser.error("--system-prompt is the letters task's; the code task's prompts are its preset's")
@@ -524,6 +527,9 @@ def main() -> None:
             arms.append((f"meshrl_lora_s{seed}", lambda out: run_meshrl(args, out, 0, lora=True)))
             arms.append((f"trl_lora_s{seed}", lambda out: run_trl(args, args.start, out, lora=True)))
         arms.append((f"trl_s{seed}", lambda out: run_trl(args, args.start, out)))
+        if args.only:  # the other trainer's arms only where a saved run can be shown
+            arms = [(name, run) for name, run in arms
+                    if name.startswith(args.only) or (args.reuse and (root / f"{name}.json").exists())]  # fmt: skip
         runs[seed] = [kept(args, root / name, run) for name, run in arms]
         # scored after both trainers ran, so no evaluation runs beside a timed step
         for (name, _), c in zip(arms, runs[seed], strict=True):
@@ -573,10 +579,11 @@ def summarize(
             if c.tool_calls is not None:
                 line += f"; tool calls an episode {' '.join(f'{n:.2f}' for n in c.tool_calls)}"
             print(line)
-        trl = curves[-1].step_time()
-        ratios.append({c.name: c.step_time() / trl for c in curves[:-1]})
-    for name in ratios[0]:
-        print(f"{name} / TRL time per step, per seed: {' '.join(f'{r[name]:.2f}' for r in ratios)}")
+        trl = [c for c in curves if c.name == "TRL GRPOTrainer"]  # absent from a seed run `--only meshrl`
+        if trl:
+            ratios.append({c.name: c.step_time() / trl[0].step_time() for c in curves if c is not trl[0]})
+    for name in ratios[0] if ratios else ():
+        print(f"{name} / TRL time per step, per seed: {' '.join(f'{r[name]:.2f}' for r in ratios if name in r)}")
     budget = args.steps * args.prompts * args.samples
     for name, counts in reached.items():
         # a run that never reached the threshold counts as needing more than the whole budget
