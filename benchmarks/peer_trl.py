@@ -312,8 +312,9 @@ def trl_trainer(
     if args.task == "code-tools":
         # The warm start's export carries meshrl's Hermes template; TRL parses its turns with its own
         # parser of the same form (Qwen's), and its episode has the preset's turns: up to max_turns - 1
-        # tool rounds. TRL caps the whole completion, not each turn: at max_turns turns of
-        # max_new_tokens and max_turns - 1 capped results, one turn may run longer than meshrl's.
+        # tool rounds. Each of TRL's generate calls is a turn, capped at meshrl's per-turn max_new_tokens
+        # (without generation_kwargs one turn could run to the whole completion's cap, as meshrl's cannot);
+        # the whole completion at max_turns such turns and max_turns - 1 capped results.
         from trl.chat_template_utils import qwen3_template
 
         tokenizer.response_template = qwen3_template
@@ -321,7 +322,8 @@ def trl_trainer(
         tools = [RunPython(task, tokenizer, cap)]
         same_prompt(tokenizer, prompts[0].messages, tools)
         length = {"max_completion_length": task.max_turns * args.max_new_tokens + (task.max_turns - 1) * cap,
-                  "max_tool_calling_iterations": task.max_turns - 1}  # fmt: skip
+                  "max_tool_calling_iterations": task.max_turns - 1,
+                  "generation_kwargs": {"max_new_tokens": args.max_new_tokens}}  # fmt: skip
 
     config = GRPOConfig(
         output_dir=str(out), max_steps=args.steps, per_device_train_batch_size=args.prompts * args.samples,
