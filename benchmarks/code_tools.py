@@ -91,7 +91,10 @@ def trained_on(run: Path) -> dict[str, float]:
 
 def exported(run: Path) -> dict[str, torch.Tensor]:
     """A run's exported weights (RUN/final, every safetensors shard)."""
-    return {name: t for shard in sorted((run / "final").glob("*.safetensors")) for name, t in load_file(shard).items()}
+    shards = sorted((run / "final").glob("*.safetensors"))
+    if not shards:
+        raise SystemExit(f"{run / 'final'}: no exported weights (*.safetensors); did its run finish?")
+    return {name: t for shard in shards for name, t in load_file(shard).items()}
 
 
 def moves(out: Path, seeds: list[int]) -> str:
