@@ -210,9 +210,14 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
     return {name: getattr(args, name, None) for name in names}
 
 
+def record_path(out: Path) -> Path:
+    """Where the curve of the run in `out` is saved: beside it, as `out.json`."""
+    return out.parent / f"{out.name}.json"
+
+
 def kept(args: argparse.Namespace, out: Path, run: Callable[[Path], Curve]) -> Curve:
-    """`run(out)`'s curve, saved beside `out` as `out.json`; with `--reuse`, the saved one where it exists."""
-    record = out.parent / f"{out.name}.json"
+    """`run(out)`'s curve, saved at `record_path(out)`; with `--reuse`, the saved one where it exists."""
+    record = record_path(out)
     if args.reuse and record.exists():
         print(f"reusing {record}", flush=True)
         return Curve.load(record, settings(args))
@@ -532,13 +537,13 @@ def main() -> None:
         arms.append((f"trl_s{seed}", lambda out: run_trl(args, args.start, out)))
         if args.only:  # the other trainer's arms only where a saved run can be shown
             arms = [(name, run) for name, run in arms
-                    if name.startswith(args.only) or (args.reuse and (root / f"{name}.json").exists())]  # fmt: skip
+                    if name.startswith(args.only) or (args.reuse and record_path(root / name).exists())]  # fmt: skip
         runs[seed] = [kept(args, root / name, run) for name, run in arms]
         # scored after both trainers ran, so no evaluation runs beside a timed step
         for (name, _), c in zip(arms, runs[seed], strict=True):
             if config is not None and c.model is not None and c.pass_at_1 is None:
                 c.pass_at_1 = held_out(config, c.model).pass_at_1
-                c.save(root / f"{name}.json", settings(args))
+                c.save(record_path(root / name), settings(args))
         # after each seed, so a long run's finished seeds are on record
         summarize(args, runs, before, config, model_name, plot)
 
