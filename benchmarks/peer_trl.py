@@ -47,7 +47,7 @@ meshrl's marker); the benchmark refuses to run unless TRL's first prompt renders
 TRL runs up to `max_turns - 1` tool rounds, caps each turn at `max_new_tokens` as meshrl does, and the
 whole completion at `max_turns x max_new_tokens + (max_turns - 1) x max_tool_result_tokens`; its tools
 run one call at a time, meshrl's beside the generation. Tool calls an episode are printed per step. The curves go to
-docs/peer_trl_code_tools.png. A seed there takes about 2.5 hours on a 2-core VM: each finished run
+docs/peer_trl_code_tools.png. A seed there took 2 to 2.5 hours on a 2-core VM: each finished run
 (and each starting model's score) is saved under `--out`, and `--reuse` keeps them, refusing one made
 under other settings, so seeds and trainers can be run apart.
 
